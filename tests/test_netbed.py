@@ -1,0 +1,74 @@
+"""The emulated-host testbed (bench/netbed): a cap exists, teardown is complete."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "netbed"))
+
+import testbed  # noqa: E402
+from testbed import ForeignNamespaceError, Testbed, check_cap, list_netns  # noqa: E402
+
+_ok, _why = Testbed.available()
+pytestmark = pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_why}")
+
+
+def _ours(run_id: str) -> list[str]:
+    return [n for n in list_netns() if run_id in n]
+
+
+@pytest.mark.timeout(120)
+def test_uplink_is_capped():
+    with Testbed(3, rate_mbit=100) as tb:
+        assert tb.addr(0) == "10.77.0.1" and tb.addr(2) == "10.77.0.3"
+        res = check_cap(tb, seconds=1.5)
+    ratio = res["single"]["mbit"] / 100
+    # Generous: only says that a cap exists and is roughly the asked rate.
+    assert 0.7 <= ratio <= 1.05, res
+    assert res["dual"]["mbit"] / 100 <= 1.05, res
+
+
+@pytest.mark.timeout(120)
+def test_teardown_removes_only_its_namespaces():
+    with Testbed(2, rate_mbit=100) as tb:
+        run_id = tb.run_id
+        names = set(_ours(run_id))
+        assert names == {f"p2pwnb-{run_id}-sw", f"p2pwnb-{run_id}-h0",
+                         f"p2pwnb-{run_id}-h1"}
+        p = tb.popen(0, ["sleep", "600"])
+    assert _ours(run_id) == []
+    assert p.poll() is not None  # the process it started was killed
+
+
+@pytest.mark.timeout(120)
+def test_teardown_on_exception():
+    with pytest.raises(ZeroDivisionError):
+        with Testbed(2, rate_mbit=100) as tb:
+            run_id = tb.run_id
+            assert len(_ours(run_id)) == 3
+            1 / 0
+    assert _ours(run_id) == []
+
+
+@pytest.mark.timeout(120)
+def test_refuses_foreign_namespace():
+    foreign = f"p2pwnb-{testbed.secrets.token_hex(3)}-h0"  # looks like ours, is not
+    subprocess.run(["ip", "netns", "add", foreign], check=True)
+    try:
+        with Testbed(1, rate_mbit=100) as tb:
+            with pytest.raises(ForeignNamespaceError):
+                tb.delete_netns(foreign)
+        assert foreign in list_netns()
+    finally:
+        subprocess.run(["ip", "netns", "del", foreign], check=True)
+
+
+@pytest.mark.timeout(120)
+def test_latency_without_netem_is_a_clear_error():
+    try:
+        with Testbed(1, rate_mbit=100, latency_ms=5):
+            pass  # this kernel has netem: nothing to check
+    except testbed.NetemUnavailable as exc:
+        assert "netem" in str(exc)
