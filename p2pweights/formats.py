@@ -1,0 +1,173 @@
+"""Formats: the byte layout of a checkpoint (single file, directory, safetensors shards).
+
+Only headers are read, never tensor data, so a layout of a multi-TB checkpoint
+costs one small read per safetensors file.  The *blob* of a checkpoint is its
+files concatenated in name order, each starting on an ``ALIGN`` boundary
+(zero padding between files, none after the last); tensor offsets from
+``layout`` are positions in that blob.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+
+ALIGN = 4096
+MAX_HEADER = 100 << 20
+
+# Bytes per element of every whole-byte safetensors dtype.
+DTYPE_SIZES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1,
+    "BOOL": 1, "C64": 8,
+    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+}
+# Bits per element of the packed sub-byte dtypes (nbytes rounds up to whole bytes).
+SUBBYTE_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+class FormatError(ValueError):
+    """A checkpoint that cannot be read: message names the file and what is wrong."""
+
+
+def tensor_nbytes(dtype: str, shape) -> int:
+    """Bytes of a tensor of ``dtype`` and ``shape``; KeyError for an unknown dtype."""
+    numel = math.prod(shape)
+    if dtype in DTYPE_SIZES:
+        return numel * DTYPE_SIZES[dtype]
+    return (numel * SUBBYTE_BITS[dtype] + 7) // 8
+
+
+def read_safetensors_header(path) -> tuple[list[dict], int]:
+    """Tensors of one .safetensors file and the offset where its data starts.
+
+    Tensors are ``{name, dtype, shape, offset, nbytes}`` sorted by offset, with
+    ``offset`` absolute within the file (8 + header length + data_offsets[0]).
+    The ``__metadata__`` entry is skipped.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise FormatError(f"{path}: {file_size} bytes, too short for a safetensors header length (8 bytes)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > MAX_HEADER:
+                raise FormatError(f"{path}: header length {header_len} exceeds the {MAX_HEADER} byte limit")
+            if 8 + header_len > file_size:
+                raise FormatError(f"{path}: header length {header_len} runs past the end of the {file_size} byte file")
+            raw = f.read(header_len)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror or e}") from e
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError(f"{path}: header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: header is a JSON {type(header).__name__}, expected an object")
+
+    data_start = 8 + header_len
+    data_size = file_size - data_start
+    tensors = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise FormatError(f"{where}: entry is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in DTYPE_SIZES and dtype not in SUBBYTE_BITS:
+            raise FormatError(f"{where}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise FormatError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(type(o) is int for o in offsets)):
+            raise FormatError(f"{where}: data_offsets {offsets!r} is not a pair of integers")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_size:
+            raise FormatError(f"{where}: data_offsets [{begin}, {end}] outside the {data_size} data bytes of the file")
+        nbytes = tensor_nbytes(dtype, shape)
+        if end - begin != nbytes:
+            raise FormatError(f"{where}: data_offsets span {end - begin} bytes but {dtype}{shape} needs {nbytes}")
+        tensors.append({"name": name, "dtype": dtype, "shape": shape,
+                        "offset": data_start + begin, "nbytes": nbytes})
+    tensors.sort(key=lambda t: (t["offset"], t["nbytes"], t["name"]))
+    return tensors, data_start
+
+
+def _check_readable(path: str) -> None:
+    if not os.access(path, os.R_OK):
+        raise FormatError(f"{path}: not readable (permission denied)")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise FormatError(f"{path}: cannot open: {e.strerror or e}") from e
+
+
+def _walk(root: str, prefix: str, out: list) -> None:
+    try:
+        entries = list(os.scandir(root))
+    except OSError as e:
+        raise FormatError(f"{root}: cannot list directory: {e.strerror or e}") from e
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        rel = prefix + entry.name
+        if entry.is_dir():
+            _walk(entry.path, rel + "/", out)
+        elif entry.is_file():
+            _check_readable(entry.path)
+            out.append((rel, os.path.abspath(entry.path), entry.stat().st_size))
+
+
+def checkpoint_files(path) -> list[tuple[str, str, int]]:
+    """``(name, absolute path, size)`` of every file of a checkpoint, sorted by name.
+
+    A file is its own checkpoint (name = basename).  For a directory, names are
+    relative with '/' separators; entries starting with '.' are skipped at any level.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FormatError(f"{path}: no such file or directory")
+    if not os.path.isdir(path):
+        _check_readable(path)
+        return [(os.path.basename(path), os.path.abspath(path), os.path.getsize(path))]
+    files: list = []
+    _walk(path, "", files)
+    if not files:
+        raise FormatError(f"{path}: directory holds no checkpoint files")
+    files.sort(key=lambda f: f[0])
+    return files
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
+
+
+def layout(path) -> tuple[list[dict], list[dict], int]:
+    """The logical blob of a checkpoint: ``(files, tensors, total_size)``.
+
+    ``files`` are ``{name, offset, size}`` with each offset on an ``ALIGN``
+    boundary; ``tensors`` are ``{name, dtype, shape, offset, nbytes, file}`` from
+    every ``*.safetensors`` file, with ``offset`` in blob coordinates;
+    ``total_size`` ends at the last file's last byte (no trailing padding).
+    """
+    files, tensors, seen = [], [], {}
+    end = 0
+    for name, abspath, size in checkpoint_files(path):
+        offset = align_up(end)
+        files.append({"name": name, "offset": offset, "size": size})
+        end = offset + size
+        if not name.endswith(".safetensors"):
+            continue
+        for t in read_safetensors_header(abspath)[0]:
+            if t["name"] in seen:
+                raise FormatError(f"{abspath}: tensor {t['name']!r} also appears in {seen[t['name']]}")
+            seen[t["name"]] = name
+            tensors.append({**t, "offset": offset + t["offset"], "file": name})
+    return files, tensors, end
