@@ -1,0 +1,263 @@
+"""API: the library surface: ``seed(...) -> Seeder`` and ``join(...) -> Download``.
+
+Both run a node's event loop in a background thread of the calling process and
+return a handle.  A ``Download`` is usable while it downloads: ``wait_range``
+returns as soon as the chunks covering a byte range are verified.  Errors are
+never hidden: a failed download raises ``P2PError`` from every wait.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+
+import zmq
+
+from . import protocol
+from .cache import DiskCache
+from .manifest import DEFAULT_CHUNK_SIZE, Manifest, ManifestError, build
+from .node import DEFAULT_WINDOW, Node, bind_router, tcp
+from .protocol import Msg, ProtocolError
+from .store import Store, StoreClosed, host_buffer
+from .topology import make as make_topology
+from .tracker import Tracker
+
+DEFAULT_PORT = 7420
+MAX_REDIRECTS = 4
+
+
+class P2PError(RuntimeError):
+    """A seed or join that cannot go on; the message says why, in one line."""
+
+
+def parse_addr(addr: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """'HOST[:PORT]' -> (host, port)."""
+    addr = addr.removeprefix("tcp://")
+    host, sep, port = addr.rpartition(":")
+    if not sep:
+        return addr, default_port
+    try:
+        return host, int(port)
+    except ValueError:
+        raise P2PError(f"bad address {addr!r}: expected HOST[:PORT]") from None
+
+
+def local_ip_towards(host: str) -> str:
+    """The address of this host on the route to ``host`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class Seeder:
+    """A running seeder: serves the checkpoint at ``path`` and runs the tracker."""
+
+    def __init__(self, path, *, port: int = DEFAULT_PORT, host: str = "0.0.0.0",
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, topology: str = "binomial", hash: str = "xxh3_64",
+                 advertise: str | None = None, window: int = DEFAULT_WINDOW):
+        self.path = os.fspath(path)
+        self.topology = make_topology(topology)
+        t0 = time.monotonic()
+        self.manifest, self.bytes_read, buffer = build(path, chunk_size, hash, into=host_buffer)
+        self.scan_seconds = time.monotonic() - t0
+        self.store = Store(self.manifest, buffer)
+        for i in range(self.manifest.n_chunks):
+            self.store.have[i] = True
+        self.store.count = self.manifest.n_chunks
+        self.ctx = zmq.Context()
+        router, self.port = bind_router(self.ctx, host, port)
+        self.tracker = Tracker(self.topology, advertise or "")
+        self.node = Node(self.ctx, router, self.manifest, self.store, peer_id="seeder", tracker=self.tracker,
+                         window=window)
+        self.node.start()
+
+    @property
+    def model_id(self) -> str:
+        return self.manifest.model_id
+
+    @property
+    def stats(self):
+        return self.node.stats
+
+    def peers_done(self) -> int:
+        return sum(m.done for m in list(self.tracker.members.values()))
+
+    def wait_peers(self, n: int, timeout: float | None = None) -> bool:
+        """Block until ``n`` peers have reported done (False on timeout)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.peers_done() < n:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def close(self) -> None:
+        self.node.stop()
+        self.ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def seed(path, **kw) -> Seeder:
+    """Read the checkpoint at ``path`` once and serve it; see ``Seeder`` for options."""
+    return Seeder(path, **kw)
+
+
+class Download:
+    """A running join: the blob fills in as chunks are verified."""
+
+    def __init__(self, node: Node, store: Store, cache: DiskCache | None, welcome: dict, started: float):
+        self.node, self.store, self.cache = node, store, cache
+        self.manifest: Manifest = store.manifest
+        self.rank: int = welcome["rank"]
+        self.parents: list[dict] = welcome["parents"]
+        self.started = started
+
+    @property
+    def model_id(self) -> str:
+        return self.manifest.model_id
+
+    @property
+    def stats(self):
+        return self.node.stats
+
+    @property
+    def progress(self) -> dict:
+        """Bytes and chunks verified so far, elapsed seconds, mean rate (bytes/s)."""
+        elapsed = time.monotonic() - self.started
+        done = self.store.bytes
+        return {"bytes": done, "total": self.manifest.total_size, "chunks": self.store.count,
+                "n_chunks": self.manifest.n_chunks, "elapsed": elapsed,
+                "rate": done / elapsed if elapsed > 0 else 0.0, "complete": self.store.complete}
+
+    def wait_range(self, lo: int, hi: int, timeout: float | None = None) -> None:
+        """Return once every chunk covering bytes [lo, hi) of the blob is verified."""
+        chunks = self.manifest.chunks_covering(lo, hi)
+        if not self._wait(chunks, timeout):
+            have = int(self.store.have[chunks.start:chunks.stop].sum())
+            raise TimeoutError(f"bytes [{lo}, {hi}) not complete after {timeout} s: "
+                               f"{have} of {len(chunks)} chunks verified")
+
+    def _wait(self, chunks, timeout) -> bool:
+        try:
+            return self.store.wait_chunks(chunks, timeout)
+        except StoreClosed as e:
+            raise P2PError(str(e)) from None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Return once the whole blob is verified (and, with ``out``, on disk under its final names)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._wait(range(self.manifest.n_chunks), timeout):
+            raise TimeoutError(f"download not complete after {timeout} s: {self.progress['chunks']} of "
+                               f"{self.manifest.n_chunks} chunks verified")
+        if self.cache is not None:
+            while not self.cache.wait(0.1):
+                if self.cache.error or self.node.fatal:
+                    raise P2PError(self.cache.error or self.node.fatal)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"local copy not written after {timeout} s")
+
+    @property
+    def seconds(self) -> float:
+        end = self.store.done_at or time.monotonic()
+        return end - self.started
+
+    def close(self, linger: bool = False, timeout: float | None = None) -> None:
+        """Stop.  With ``linger``, first keep serving until the tracker says no peer depends on us."""
+        if linger and not self.node.fatal:
+            self.node.leave_when_done = True
+            self.node.left.wait(timeout)
+        self.node.stop()
+        self.node.ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _handshake(ctx, addr: str, hello: dict, model_id: str | None, timeout: float):
+    """HELLO the node at ``addr``, following REDIRECTs to the tracker; returns (socket, addr, welcome, manifest)."""
+    for _ in range(MAX_REDIRECTS):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 30)
+        sock.connect(tcp(addr))
+        sock.send(protocol.control(Msg.HELLO, **hello))
+        if not sock.poll(int(timeout * 1000), zmq.POLLIN):
+            sock.close(0)
+            raise P2PError(f"no answer from {addr} within {timeout:g} s: is a p2pw seeder or peer running there?")
+        try:
+            event = protocol.decode(sock.recv_multipart())
+        except ProtocolError as e:
+            sock.close(0)
+            raise P2PError(f"{addr} is not a compatible p2pw node: {e}") from None
+        if event.type == Msg.REDIRECT:
+            sock.close(0)
+            host, _ = parse_addr(addr)
+            addr = event.fields["tracker"] or addr
+            continue
+        if event.type == Msg.ERROR:
+            sock.close(0)
+            raise P2PError(f"{addr} refused us: {event.fields['message']}")
+        if event.type != Msg.WELCOME:
+            sock.close(0)
+            raise P2PError(f"{addr} answered HELLO with {event.type.name}")
+        try:
+            manifest = Manifest.from_json(bytes(event.payload), expect_id=model_id)
+        except ManifestError as e:
+            sock.close(0)
+            raise P2PError(str(e)) from None
+        return sock, addr, event.fields, manifest
+    raise P2PError(f"too many redirects joining through {addr}")
+
+
+def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0.0.0",
+         advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
+         connect_timeout: float = 30.0, peer_id: str | None = None) -> Download:
+    """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
+
+    Returns at once with a ``Download`` whose chunks fill in the background.
+    ``out``: write the checkpoint's files there.  ``model_id``: refuse any
+    other checkpoint.  ``connect_timeout``: how long to keep trying a parent
+    that is not up yet.
+    """
+    started = time.monotonic()
+    p_host, p_port = parse_addr(parent)
+    parent = f"{p_host}:{p_port}"
+    ctx = zmq.Context()
+    try:
+        router, my_port = bind_router(ctx, host, port)
+    except zmq.ZMQError as e:
+        ctx.term()
+        raise P2PError(f"cannot listen on {host}:{port}: {e}") from None
+    me = advertise or local_ip_towards(p_host)
+    peer_id = peer_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id}
+    try:
+        link, tracker_addr, welcome, manifest = _handshake(ctx, parent, hello, model_id, connect_timeout)
+        store = Store(manifest)
+        cache = DiskCache(manifest, out) if out else None
+    except Exception:
+        router.close(0)
+        ctx.destroy(0)
+        raise
+    node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window, attach_timeout=connect_timeout)
+    node.attach_tracker(link, tracker_addr, welcome["rank"])
+    for p in welcome["parents"]:
+        node.add_parent(p["stripe"], welcome["stripes"], p["addr"] or tracker_addr, p["rank"])
+    if cache is not None:
+        cache.on_error = node._fail
+        node.extra_done.append(cache.finished.is_set)
+        store.sinks.append(cache)
+    node.start()
+    return Download(node, store, cache, welcome, started)

@@ -1,0 +1,109 @@
+"""Cache: the checkpoint's files on a peer's local disk, written chunk by chunk.
+
+Each file of the manifest's file table is written under ``out`` with its
+original name, first as ``NAME.partial``; verified chunks are written with
+``pwrite`` by one writer thread (so the network loop never waits on the disk),
+and only when every chunk is on disk are the files fsynced and renamed to their
+final names.  A file under its final name is therefore always complete.
+A write error (disk full, say) fails the download with a clear message; nothing
+is presented as complete.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+from .manifest import file_segments
+
+PARTIAL = ".partial"
+
+
+class CacheError(OSError):
+    """The local copy could not be written."""
+
+
+class DiskCache:
+    """Writes verified chunks into the checkpoint's files under ``out``."""
+
+    def __init__(self, manifest, out: str, on_error=None):
+        self.manifest = manifest
+        self.out = os.path.abspath(out)
+        self.on_error = on_error
+        self.fds: dict[str, int] = {}
+        self.written = 0
+        self.error: str | None = None
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.finished = threading.Event()
+        try:
+            for f in manifest.files:
+                path = self._path(f["name"]) + PARTIAL
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                os.ftruncate(fd, f["size"])
+                self.fds[f["name"]] = fd
+        except OSError as e:
+            self.close()
+            raise CacheError(f"cannot create the local copy under {self.out}: {e.strerror}") from None
+        self.thread = threading.Thread(target=self._run, name="p2pw-disk", daemon=True)
+        self.thread.start()
+
+    def _path(self, name: str) -> str:
+        path = os.path.normpath(os.path.join(self.out, name))
+        if not path.startswith(self.out + os.sep):
+            raise CacheError(f"file name {name!r} in the manifest escapes the output directory")
+        return path
+
+    def put(self, index: int, data: memoryview) -> None:
+        """Queue verified chunk ``index`` (its bytes must not change) for writing."""
+        self.queue.put((index, data))
+
+    def _run(self) -> None:
+        remaining = self.manifest.n_chunks
+        while remaining:
+            item = self.queue.get()
+            if item is None:
+                return
+            index, data = item
+            lo, hi = self.manifest.chunk_span(index)
+            try:
+                for f, off, a, b in file_segments(self.manifest.files, lo, hi):
+                    view = data[a - lo: b - lo]
+                    done = 0
+                    while done < len(view):
+                        done += os.pwrite(self.fds[f["name"]], view[done:], off + done)
+                self.written += 1
+            except OSError as e:
+                self.error = f"writing chunk {index} to {self.out} failed: {e.strerror}"
+                if self.on_error:
+                    self.on_error(self.error)
+                return
+            remaining -= 1
+        try:
+            self._finish()
+        except OSError as e:
+            self.error = f"finishing the local copy under {self.out} failed: {e.strerror}"
+            if self.on_error:
+                self.on_error(self.error)
+            return
+        self.finished.set()
+
+    def _finish(self) -> None:
+        for name, fd in self.fds.items():
+            os.fsync(fd)
+        for f in self.manifest.files:
+            path = self._path(f["name"])
+            os.replace(path + PARTIAL, path)
+        self.close()
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds.clear()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once every file is complete under its final name."""
+        return self.finished.wait(timeout)

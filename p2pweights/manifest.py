@@ -1,0 +1,158 @@
+"""Manifest: what a checkpoint is, in a few KB of JSON.
+
+The manifest names the blob (total size, chunk size, one hash per chunk), how
+the blob maps back to files (file table) and to tensors (tensor index).  Its
+model id is the SHA-256 of its canonical JSON (sorted keys, no whitespace,
+``model_id`` left out), so a joiner can pin exactly one checkpoint and a
+manifest that was altered in flight fails its own hash.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import xxhash
+
+VERSION = 1
+DEFAULT_CHUNK_SIZE = 4 << 20  # measured: see README "Choosing the chunk size"
+HASHES = {"xxh3_64": lambda b: xxhash.xxh3_64_hexdigest(b)}
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be trusted or used: the message says why."""
+
+
+def chunk_hasher(name: str):
+    """The function ``bytes-like -> hex digest`` for hash algorithm ``name``."""
+    if name in HASHES:
+        return HASHES[name]
+    if name in ("sha256", "blake2b"):
+        return lambda b: hashlib.new(name, b).hexdigest()
+    raise ManifestError(f"unknown chunk hash {name!r}")
+
+
+@dataclass
+class Manifest:
+    """One checkpoint as a blob of fixed-size chunks."""
+
+    total_size: int
+    chunk_size: int
+    chunks: list[str]
+    files: list[dict] = field(default_factory=list)
+    tensors: list[dict] = field(default_factory=list)
+    hash: str = "xxh3_64"
+    version: int = VERSION
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    def chunk_span(self, index: int) -> tuple[int, int]:
+        """Byte range [lo, hi) of chunk ``index`` in the blob."""
+        lo = index * self.chunk_size
+        return lo, min(lo + self.chunk_size, self.total_size)
+
+    def chunks_covering(self, lo: int, hi: int) -> range:
+        """Indices of the chunks that hold bytes [lo, hi) of the blob."""
+        if lo < 0 or hi > self.total_size or lo > hi:
+            raise ValueError(f"range [{lo}, {hi}) is outside the blob of {self.total_size} bytes")
+        if lo == hi:
+            return range(0)
+        return range(lo // self.chunk_size, (hi - 1) // self.chunk_size + 1)
+
+    def body(self) -> dict:
+        return {
+            "version": self.version,
+            "total_size": self.total_size,
+            "chunk_size": self.chunk_size,
+            "hash": self.hash,
+            "chunks": self.chunks,
+            "files": self.files,
+            "tensors": self.tensors,
+        }
+
+    @property
+    def model_id(self) -> str:
+        return hashlib.sha256(canonical(self.body())).hexdigest()
+
+    def to_json(self, indent: int | None = None) -> str:
+        doc = dict(self.body(), model_id=self.model_id)
+        return json.dumps(doc, indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, expect_id: str | None = None) -> "Manifest":
+        """Parse and check a manifest; ManifestError if it is malformed, fails its own hash, or is not ``expect_id``."""
+        try:
+            doc = json.loads(text)
+            m = cls(
+                total_size=int(doc["total_size"]),
+                chunk_size=int(doc["chunk_size"]),
+                chunks=[str(h) for h in doc["chunks"]],
+                files=list(doc.get("files", [])),
+                tensors=list(doc.get("tensors", [])),
+                hash=str(doc.get("hash", "xxh3_64")),
+                version=int(doc["version"]),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(f"malformed manifest: {e}") from None
+        if m.version != VERSION:
+            raise ManifestError(f"manifest version {m.version} is not supported (this p2pw reads {VERSION})")
+        chunk_hasher(m.hash)
+        if m.chunk_size <= 0 or m.total_size < 0:
+            raise ManifestError("manifest has a non-positive chunk size or negative total size")
+        if len(m.chunks) != -(-m.total_size // m.chunk_size):
+            raise ManifestError(
+                f"manifest lists {len(m.chunks)} chunk hashes but {m.total_size} bytes need "
+                f"{-(-m.total_size // m.chunk_size)}")
+        claimed = doc.get("model_id")
+        if claimed is not None and claimed != m.model_id:
+            raise ManifestError(f"manifest fails its own hash: claims model id {claimed[:16]}..., content hashes to {m.model_id[:16]}...")
+        if expect_id is not None and not m.model_id.startswith(expect_id.lower()):
+            raise ManifestError(f"model id mismatch: wanted {expect_id}, the seeder serves {m.model_id}")
+        return m
+
+
+def canonical(doc: dict) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def build(path, chunk_size: int = DEFAULT_CHUNK_SIZE, hash: str = "xxh3_64", into=None, on_chunk=None):
+    """Read checkpoint ``path`` once: (Manifest, bytes read from storage, the ``into`` buffer or None).
+
+    Each chunk is read from storage exactly once; when ``into`` is given it is
+    called with the blob's size and returns a writable buffer where the bytes
+    land, so a seeder keeps what it hashed.  ``on_chunk(index)`` is called
+    after each chunk is hashed.
+    """
+    from . import formats
+    from .source import BlobSource
+
+    if chunk_size <= 0 or chunk_size % formats.ALIGN:
+        raise ManifestError(f"chunk size must be a positive multiple of {formats.ALIGN}, got {chunk_size}")
+    files, tensors, total = formats.layout(path)
+    digest = chunk_hasher(hash)
+    source = BlobSource(path, files)
+    chunks = []
+    buffer = into(total) if into is not None else None
+    scratch = None if buffer is not None else bytearray(chunk_size)
+    try:
+        for index, lo in enumerate(range(0, total, chunk_size)):
+            hi = min(lo + chunk_size, total)
+            view = memoryview(buffer)[lo:hi] if buffer is not None else memoryview(scratch)[: hi - lo]
+            source.read_into(lo, view)
+            chunks.append(digest(view))
+            if on_chunk:
+                on_chunk(index)
+    finally:
+        source.close()
+    m = Manifest(total_size=total, chunk_size=chunk_size, chunks=chunks, files=files, tensors=tensors, hash=hash)
+    return m, source.bytes_read, buffer
+
+
+def file_segments(files: list[dict], lo: int, hi: int):
+    """Yield (file entry, offset in file, blob lo, blob hi) for each file overlapping blob bytes [lo, hi)."""
+    for f in files:
+        a, b = max(lo, f["offset"]), min(hi, f["offset"] + f["size"])
+        if a < b:
+            yield f, a - f["offset"], a, b

@@ -1,0 +1,203 @@
+"""Protocol: the wire messages of p2pweights and the per-connection state machine.
+
+Everything that decides what a frame means lives here, as pure functions: no
+sockets, no clocks, no sleeping (sans-IO, like h11).  The node feeds received
+frames in and gets ``Event``s out, or a ``ProtocolError`` that names the peer's
+state and the offending message; the node logs it and keeps serving others.
+
+Frames.  Every message starts with a header frame:
+``b"P2W" | version:u8 | type:u8 | body``.  Control messages carry a JSON object
+as body; REQUEST carries ``u32`` chunk indices; CHUNK carries one ``u32``
+index and the chunk bytes as a second frame (sent and received without
+copies); WELCOME carries the manifest JSON as a second frame.
+
+Theory of operation.  A joiner sends HELLO to any node.  The seeder (which
+runs the tracker) answers WELCOME with the manifest, the joiner's rank and its
+parent per stripe; any other node answers REDIRECT to the tracker.  The peer
+then ATTACHes to each parent and pulls chunks with REQUESTs, never more than
+its credit window outstanding: a parent sends only what was asked for, so a
+slow child slows nobody else.  Peers report DONE to the tracker and ask to
+LEAVE; the tracker lets a peer go once the children that depend on it are done.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+MAGIC = b"P2W"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<3sBB")
+INDEX = struct.Struct("<I")
+MAX_CONTROL_BODY = 64 << 10  # a control header larger than this is hostile
+MAX_REQUEST = 256  # chunk indices in one REQUEST
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the protocol; the message names what and where."""
+
+
+class VersionMismatch(ProtocolError):
+    """The other side speaks another protocol version."""
+
+
+class Msg(IntEnum):
+    HELLO = 1       # joiner -> any node: {peer_id, listen, model_id?, have?}
+    WELCOME = 2     # tracker -> joiner: {rank, parents, stripes, tracker} + manifest frame
+    REDIRECT = 3    # node -> joiner: {tracker}
+    ERROR = 4       # any -> any: {message, fatal}
+    ATTACH = 5      # child -> parent: {peer_id, rank, model_id}
+    ATTACHED = 6    # parent -> child: {}
+    REQUEST = 7     # child -> parent: u32 indices
+    CHUNK = 8       # parent -> child: u32 index + payload frame
+    DONE = 9        # peer -> tracker: {rank, bytes, seconds}
+    LEAVE = 10      # peer -> tracker: {rank}
+    LEAVE_OK = 11   # tracker -> peer: {}
+    LEAVE_WAIT = 12  # tracker -> peer: {waiting_for}
+    HEARTBEAT = 13  # either way: {}
+    REPARENT = 14   # tracker -> peer: {parents}
+
+
+# Required JSON fields of each control message and their types.
+SCHEMA: dict[Msg, dict[str, type | tuple]] = {
+    Msg.HELLO: {"peer_id": str, "listen": str},
+    Msg.WELCOME: {"rank": int, "parents": list, "stripes": int, "tracker": str},
+    Msg.REDIRECT: {"tracker": str},
+    Msg.ERROR: {"message": str},
+    Msg.ATTACH: {"peer_id": str, "rank": int, "model_id": str},
+    Msg.ATTACHED: {},
+    Msg.DONE: {"rank": int},
+    Msg.LEAVE: {"rank": int},
+    Msg.LEAVE_OK: {},
+    Msg.LEAVE_WAIT: {},
+    Msg.HEARTBEAT: {},
+    Msg.REPARENT: {"parents": list},
+}
+PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1}
+
+
+@dataclass
+class Event:
+    """One decoded message: its type, JSON fields (or chunk indices), and payload frame if any."""
+
+    type: Msg
+    fields: dict = field(default_factory=dict)
+    indices: list[int] = field(default_factory=list)
+    payload: object = None
+
+
+def _header(kind: Msg) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind)
+
+
+def control(kind: Msg, **fields) -> bytes:
+    """The header frame of a control message."""
+    return _header(kind) + json.dumps(fields, separators=(",", ":")).encode()
+
+
+def request(indices) -> bytes:
+    """REQUEST header for chunk ``indices``."""
+    return _header(Msg.REQUEST) + struct.pack(f"<{len(indices)}I", *indices)
+
+
+def chunk_header(index: int) -> bytes:
+    """CHUNK header for chunk ``index`` (the payload is the next frame)."""
+    return _header(Msg.CHUNK) + INDEX.pack(index)
+
+
+def decode_header(frame: bytes) -> Event:
+    """Decode a header frame into an Event (payload not attached); ProtocolError if malformed."""
+    if len(frame) < HEADER.size:
+        raise ProtocolError(f"frame of {len(frame)} bytes is too short for a header")
+    magic, version, kind = HEADER.unpack_from(frame)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: not a p2pweights peer")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(f"protocol version {version} is not supported (this p2pw speaks {PROTOCOL_VERSION})")
+    try:
+        kind = Msg(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {kind}") from None
+    body = memoryview(frame)[HEADER.size:]
+    if kind == Msg.REQUEST:
+        if len(body) % 4 or not body or len(body) // 4 > MAX_REQUEST:
+            raise ProtocolError(f"REQUEST body of {len(body)} bytes is not 1..{MAX_REQUEST} u32 indices")
+        return Event(kind, indices=list(struct.unpack(f"<{len(body) // 4}I", body)))
+    if kind == Msg.CHUNK:
+        if len(body) != INDEX.size:
+            raise ProtocolError(f"CHUNK header body of {len(body)} bytes, expected {INDEX.size}")
+        return Event(kind, indices=[INDEX.unpack(body)[0]])
+    if len(body) > MAX_CONTROL_BODY:
+        raise ProtocolError(f"{kind.name} body of {len(body)} bytes exceeds {MAX_CONTROL_BODY}")
+    try:
+        fields = json.loads(bytes(body)) if body else {}
+    except (ValueError, UnicodeDecodeError):
+        raise ProtocolError(f"{kind.name} body is not JSON") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{kind.name} body is not a JSON object")
+    for name, typ in SCHEMA[kind].items():
+        if not isinstance(fields.get(name), typ) or isinstance(fields.get(name), bool):
+            raise ProtocolError(f"{kind.name} lacks field {name!r} of type {typ.__name__}")
+    return Event(kind, fields=fields)
+
+
+def decode(frames: list) -> Event:
+    """Decode a whole multipart message (header plus payload frames)."""
+    if not frames:
+        raise ProtocolError("empty message")
+    event = decode_header(bytes(frames[0]))
+    want = PAYLOAD_FRAMES.get(event.type, 0)
+    if len(frames) - 1 != want:
+        raise ProtocolError(f"{event.type.name} with {len(frames) - 1} payload frames, expected {want}")
+    if want:
+        event.payload = frames[1]
+    return event
+
+
+# What a serving node accepts on one incoming connection, by state.
+# Anything not listed is a ProtocolError naming the state and the message.
+SERVER_TRANSITIONS: dict[tuple[str, Msg], str] = {
+    ("new", Msg.HELLO): "member",
+    ("new", Msg.ATTACH): "child",
+    ("new", Msg.HEARTBEAT): "new",
+    ("member", Msg.HELLO): "member",
+    ("member", Msg.DONE): "member",
+    ("member", Msg.LEAVE): "member",
+    ("member", Msg.HEARTBEAT): "member",
+    ("child", Msg.REQUEST): "child",
+    ("child", Msg.HEARTBEAT): "child",
+    ("child", Msg.ATTACH): "child",
+}
+
+# What a peer accepts from its tracker and from a parent, by state.
+CLIENT_TRANSITIONS: dict[tuple[str, Msg], str] = {
+    ("hello", Msg.WELCOME): "member",
+    ("hello", Msg.REDIRECT): "redirected",
+    ("member", Msg.LEAVE_OK): "left",
+    ("member", Msg.LEAVE_WAIT): "member",
+    ("member", Msg.REPARENT): "member",
+    ("member", Msg.HEARTBEAT): "member",
+    ("member", Msg.WELCOME): "member",
+    ("attaching", Msg.ATTACHED): "attached",
+    ("attaching", Msg.HEARTBEAT): "attaching",
+    ("attached", Msg.CHUNK): "attached",
+    ("attached", Msg.HEARTBEAT): "attached",
+}
+
+
+class Connection:
+    """State of one connection as seen from this side; ``receive`` applies a transition."""
+
+    def __init__(self, table: dict, state: str):
+        self.table = table
+        self.state = state
+
+    def receive(self, event: Event) -> Event:
+        if event.type == Msg.ERROR:
+            return event
+        nxt = self.table.get((self.state, event.type))
+        if nxt is None:
+            raise ProtocolError(f"unexpected {event.type.name} in state {self.state}")
+        self.state = nxt
+        return event
