@@ -74,3 +74,35 @@ class BlobSource:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+def verify_copy(root, manifest) -> tuple[int, str | None]:
+    """Check the checkpoint files under ``root`` against ``manifest``, chunk by chunk.
+
+    Returns (chunks checked, None) when every chunk matches, or (index of the
+    first bad chunk, a message naming it and the file(s) it covers).
+    """
+    from .manifest import chunk_hasher, file_segments
+
+    for f in manifest.files:
+        full = os.path.join(root, f["name"]) if os.path.isdir(root) else root
+        try:
+            size = os.path.getsize(full)
+        except OSError:
+            return 0, f"{f['name']}: missing from {root}"
+        if size != f["size"]:
+            return 0, f"{f['name']}: {size} bytes, the manifest says {f['size']}"
+    digest = chunk_hasher(manifest.hash)
+    source = BlobSource(root, manifest.files)
+    buf = memoryview(bytearray(manifest.chunk_size))
+    try:
+        for index, want in enumerate(manifest.chunks):
+            lo, hi = manifest.chunk_span(index)
+            view = buf[: hi - lo]
+            source.read_into(lo, view)
+            if digest(view) != want:
+                names = ", ".join(f["name"] for f, *_ in file_segments(manifest.files, lo, hi)) or "padding"
+                return index, f"chunk {index} (bytes {lo}-{hi} of the blob, in {names}) does not match the manifest"
+    finally:
+        source.close()
+    return manifest.n_chunks, None

@@ -3,8 +3,25 @@
 Rank 0 is the seeder (the root of every tree); peers get ranks 1, 2, 3, ... in
 join order.  A topology has ``stripes`` trees; chunk ``i`` travels down tree
 ``i % stripes``.  ``parents(rank)`` gives one parent rank per stripe and must
-never change when later ranks join.  ``live_parent`` re-attaches a peer whose
-parent is gone by walking up to the nearest live ancestor.
+never change when later ranks join (N is not known in advance), and every
+parent is an earlier rank (so it has already joined and the trees have no
+cycles).  ``live_parent`` re-attaches a peer whose parent is gone by walking up
+to the nearest live ancestor.
+
+The rules (``r`` is a peer rank, ``k`` a parameter):
+
+* ``binomial``  parent = ``r`` with its highest set bit cleared; the seeder has
+  about log2(N+1) children, so its uplink carries that many copies.
+* ``chain``     parent = ``r - 1``: every uplink carries one copy; depth N, so
+  the pipeline fill costs N-1 chunk-times.
+* ``kary:k``    heap: parent = ``(r - 1) // k``; the seeder has ``k`` children,
+  every interior peer uploads ``k`` copies; depth about log_k(N).
+* ``striped:k`` k stripe trees (SplitStream-like, see :class:`Striped`): every
+  peer is interior in at most one stripe tree, so it uploads about one copy.
+* ``star``      parent = 0 for everyone (no forwarding): the baseline.
+
+``auto(n_expected)`` picks one of them for a fleet size (see its docstring).
+No sockets here: the tracker applies these rules, the simulator predicts them.
 """
 from __future__ import annotations
 
@@ -16,20 +33,151 @@ class Binomial:
     stripes = 1
 
     def parents(self, rank: int) -> list[int]:
-        if rank < 1:
-            raise ValueError("rank 0 is the root and has no parent")
+        _check_rank(rank)
         return [rank & ~(1 << (rank.bit_length() - 1))]
 
 
-TOPOLOGIES = {"binomial": Binomial}
+class Chain:
+    """Chain: rank r's parent is r - 1 (one copy per uplink, depth N)."""
+
+    name = "chain"
+    stripes = 1
+
+    def parents(self, rank: int) -> list[int]:
+        _check_rank(rank)
+        return [rank - 1]
 
 
-def make(name: str):
-    """The topology called ``name``; ValueError naming the known ones otherwise."""
+class Star:
+    """Star: every peer's parent is the seeder, nobody forwards (the benchmark baseline)."""
+
+    name = "star"
+    stripes = 1
+
+    def parents(self, rank: int) -> list[int]:
+        _check_rank(rank)
+        return [0]
+
+
+class KAry:
+    """k-ary heap: rank r's parent is (r - 1) // k; the seeder has children 1..k."""
+
+    stripes = 1
+
+    def __init__(self, k: int = 2):
+        self.k = _check_k(k, "kary")
+        self.name = f"kary:{self.k}"
+
+    def parents(self, rank: int) -> list[int]:
+        _check_rank(rank)
+        return [(rank - 1) // self.k]
+
+
+class Striped:
+    """k stripe trees, every peer interior in at most one of them (SplitStream-like).
+
+    Peers are dealt round-robin into k groups: rank r is in group
+    ``g = (r - 1) % k`` and round ``m = (r - 1) // k`` (each round holds one
+    member of every group).  In stripe tree ``s``:
+
+    * the members of group ``s`` ("heads"; the head of round m is rank
+      ``m*k + s + 1``) are the interior nodes, linked as a binary heap: head m's
+      parent is head ``(m - 1) // 2``, head 0's parent is the seeder;
+    * every other peer is a leaf under the most recent head that joined before
+      it: its own round's head if that head joined earlier (g > s), else the
+      previous round's head (g < s), or the seeder in round 0.
+
+    So a head has k - 1 leaf children plus at most 2 head children in its own
+    stripe and nothing in the others: it uploads at most (k + 1)/k copies of
+    the model; a stripe tree is 2 + log2(N/k) deep.  The seeder has 1 + s
+    children in stripe s (head 0 and the round-0 peers that joined before it),
+    (k + 1)/2 copies in all, whatever N is: the first k peers can only get
+    a stripe whose head has not joined yet from the seeder, so (k + 1)/2 is the
+    least any stable rule with one interior tree per peer can do.
+    Re-parenting by walking up the ancestors keeps the rule: the ancestors of
+    anyone in stripe s are heads of s (or the seeder).
+    """
+
+    def __init__(self, k: int = 2):
+        self.k = self.stripes = _check_k(k, "striped")
+        self.name = f"striped:{self.k}"
+
+    def group(self, rank: int) -> int:
+        """The stripe in which ``rank`` is interior (may forward chunks)."""
+        _check_rank(rank)
+        return (rank - 1) % self.k
+
+    def head(self, stripe: int, m: int) -> int:
+        """Rank of the ``m``-th member of group ``stripe``."""
+        return m * self.k + stripe + 1
+
+    def parents(self, rank: int) -> list[int]:
+        _check_rank(rank)
+        k = self.k
+        m, g = divmod(rank - 1, k)
+        out = []
+        for s in range(k):
+            if g == s:
+                out.append(0 if m == 0 else self.head(s, (m - 1) // 2))
+            elif g > s:
+                out.append(self.head(s, m))
+            else:
+                out.append(0 if m == 0 else self.head(s, m - 1))
+        return out
+
+
+TOPOLOGIES = {"binomial": Binomial, "chain": Chain, "star": Star, "kary": KAry, "striped": Striped}
+
+
+def make(name: str, **opts):
+    """The topology called ``name`` (``binomial``, ``chain``, ``star``, ``kary:4``,
+    ``striped:4``, ``auto``); ValueError naming the known ones otherwise.
+
+    ``opts`` go to the constructor (``make("kary", k=4)``); ``auto`` takes
+    ``n_expected`` (default 16).
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"topology name must be a string, not {name!r}")
+    base, _, arg = name.strip().lower().partition(":")
+    if base == "auto":
+        return auto(int(arg) if arg else opts.pop("n_expected", 16), **opts)
+    cls = TOPOLOGIES.get(base)
+    if cls is None:
+        raise ValueError(f"unknown topology {name!r}; known: "
+                         f"{', '.join(sorted(TOPOLOGIES))}, kary:K, striped:K, auto")
+    if arg:
+        if cls not in (KAry, Striped):
+            raise ValueError(f"topology {base!r} takes no parameter (got {name!r})")
+        try:
+            opts["k"] = int(arg)
+        except ValueError:
+            raise ValueError(f"topology {name!r}: {arg!r} is not an integer") from None
     try:
-        return TOPOLOGIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown topology {name!r}; known: {', '.join(sorted(TOPOLOGIES))}") from None
+        return cls(**opts)
+    except TypeError as e:
+        raise ValueError(f"topology {name!r}: bad options {opts!r} ({e})") from None
+
+
+def auto(n_expected: int, chunks: int = 64):
+    """The topology to use for about ``n_expected`` peers (``chunks`` per model).
+
+    Why (from ``p2pweights.simulate``, equal uplinks B, no latency, model S cut
+    into ``chunks`` chunks): the broadcast can't beat S/B.  A chain reaches
+    S/B * (1 + (N - 1)/chunks): every uplink carries one copy and only the
+    pipeline fill grows with N, so it is the best layout while N - 1 is a
+    small fraction of the chunk count (within 1.5x of the floor for
+    N <= chunks/2 + 1, 33 peers at 256 MiB / 4 MiB).  Beyond that the striped
+    multi-tree wins: ``striped:2`` stays near 1.5-1.6 S/B for any N (its seeder
+    sends 1.5 copies, a head uploads at most 1.5), against log2(N+1) S/B for
+    binomial and about k S/B for k-ary.  Chain is also what loses least when
+    the fleet is smaller than expected.  Refine from benchmark results.
+    """
+    n = int(n_expected)
+    if n < 1:
+        raise ValueError(f"n_expected must be >= 1, got {n_expected!r}")
+    if n - 1 <= max(1, chunks) // 2:
+        return Chain()
+    return Striped(2)
 
 
 def live_parent(topology, rank: int, stripe: int, alive) -> int:
@@ -38,3 +186,37 @@ def live_parent(topology, rank: int, stripe: int, alive) -> int:
     while parent != 0 and parent not in alive:
         parent = topology.parents(parent)[stripe]
     return parent
+
+
+def parent_table(topology, n: int):
+    """``table[s][r]`` = parent of rank r in stripe s for ranks 1..n (``table[s][0]`` = -1)."""
+    table = [[-1] * (n + 1) for _ in range(topology.stripes)]
+    for r in range(1, n + 1):
+        for s, p in enumerate(topology.parents(r)):
+            table[s][r] = p
+    return table
+
+
+def children(topology, rank: int, stripe: int, n: int) -> list[int]:
+    """Ranks among 1..n whose parent in tree ``stripe`` is ``rank`` (ascending)."""
+    return [r for r in range(max(1, rank + 1), n + 1) if topology.parents(r)[stripe] == rank]
+
+
+def depth(topology, n: int, stripe: int = 0) -> int:
+    """Largest number of hops from the seeder to any of ranks 1..n in tree ``stripe`` (0 if n == 0)."""
+    d = [0] * (n + 1)
+    for r in range(1, n + 1):
+        d[r] = d[topology.parents(r)[stripe]] + 1
+    return max(d)
+
+
+def _check_rank(rank: int) -> None:
+    if rank < 1:
+        raise ValueError("rank 0 is the root and has no parent")
+
+
+def _check_k(k, what: str) -> int:
+    k = int(k)
+    if k < 1:
+        raise ValueError(f"{what}: k must be >= 1, got {k}")
+    return k

@@ -1,0 +1,273 @@
+"""CLI: ``p2pw seed | join | manifest | verify | demo | simulate``.
+
+Thin: every command is a call into the library plus printing.  Errors a user
+can cause end as one ``p2pw: error: ...`` line and exit status 1, never a
+traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+log = logging.getLogger("p2pw")
+
+UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
+         "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30}
+
+
+def size(text: str) -> int:
+    """'4MiB', '4M', '4194304' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 4MiB, 512K, 1048576")
+    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f}"
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, redrawn a few times a second (only on a terminal)."""
+
+    def __init__(self, download, stream=sys.stderr):
+        self.download, self.stream = download, stream
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        if stream.isatty():
+            self.thread.start()
+
+    def _run(self):
+        while not self.stop.wait(0.2):
+            self.draw()
+
+    def draw(self):
+        p = self.download.progress
+        frac = p["bytes"] / p["total"] if p["total"] else 1.0
+        eta = (p["total"] - p["bytes"]) / p["rate"] if p["rate"] > 0 else float("inf")
+        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+        self.stream.write(f"\r[{bar}] {human(p['bytes'])}/{human(p['total'])} "
+                          f"{p['rate'] / 1e6:7.1f} MB/s ETA {eta:5.1f}s ")
+        self.stream.flush()
+
+    def close(self):
+        if self.thread.is_alive():
+            self.stop.set()
+            self.thread.join()
+            self.draw()
+            self.stream.write("\n")
+
+
+def write_json(path: str | None, doc: dict) -> None:
+    if path:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+
+
+def cmd_seed(args) -> int:
+    from .api import seed
+
+    s = seed(args.path, port=args.port, host=args.host, chunk_size=args.chunk_size, topology=args.topology,
+             advertise=args.advertise, window=args.window)
+    m = s.manifest
+    print(f"p2pw: serving {args.path}: {human(m.total_size)} in {m.n_chunks} chunks of {human(m.chunk_size)}, "
+          f"{len(m.files)} files, {len(m.tensors)} tensors (read {human(s.bytes_read)} from storage "
+          f"in {s.scan_seconds:.2f} s)", flush=True)
+    print(f"p2pw: model id {s.model_id}")
+    print(f"p2pw: join with: p2pw join --parent {args.advertise or '<this host>'}:{s.port} "
+          f"--model-id {s.model_id[:16]}", flush=True)
+    write_json(args.ready, {"port": s.port, "model_id": s.model_id, "total_size": m.total_size})
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.1):
+            if args.exit_after and s.peers_done() >= args.exit_after and all(
+                    mem.left for mem in s.tracker.members.values()):
+                break
+    finally:
+        s.close()
+    report = {"model_id": s.model_id, "total_size": m.total_size, "bytes_read": s.bytes_read,
+              "bytes_sent": s.stats.bytes_sent, "chunks_sent": s.stats.chunks_sent, "malformed": s.stats.malformed,
+              "peers": {r: {"parents": mem.parents, "done": mem.done, "peer_id": mem.peer_id}
+                        for r, mem in s.tracker.members.items()}}
+    write_json(args.report, report)
+    print(f"p2pw: seeder done: read {human(s.bytes_read)} from storage for a {human(m.total_size)} model "
+          f"({s.bytes_read / max(m.total_size, 1):.2f}x), sent {human(s.stats.bytes_sent)} to "
+          f"{len(s.tracker.members)} peers")
+    return 0
+
+
+def cmd_join(args) -> int:
+    from .api import join
+
+    dl = join(args.parent, out=args.out, port=args.port, host=args.host, advertise=args.advertise,
+              model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout)
+    bar = None if args.quiet else ProgressBar(dl)
+    try:
+        dl.wait()
+    finally:
+        if bar:
+            bar.close()
+    p, st = dl.progress, dl.stats
+    secs = dl.seconds
+    parents = ", ".join(f"rank {x['rank']}" for x in dl.parents)
+    print(f"p2pw: done {human(p['total'])} in {secs:.2f} s ({p['total'] / secs / 1e9:.3f} GB/s), "
+          f"{p['n_chunks']} chunks, {st.refetched} re-fetched; rank {dl.rank} under {parents}", flush=True)
+    write_json(args.report, {"rank": dl.rank, "parents": [x["rank"] for x in dl.parents], "seconds": secs,
+                             "bytes": p["total"], "refetched": st.refetched, "bad_chunks": st.bad_chunks,
+                             "bytes_sent": st.bytes_sent, "model_id": dl.model_id})
+    if args.stay:
+        print("p2pw: staying to serve others (Ctrl-C to stop)", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(0.2) and not dl.node.fatal:
+            pass
+        dl.close()
+    else:
+        dl.close(linger=True)
+    return 0
+
+
+def cmd_manifest(args) -> int:
+    from .manifest import build
+
+    m, _, _ = build(args.path, args.chunk_size)
+    text = m.to_json(indent=1)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+        print(f"p2pw: wrote manifest of {args.path} ({m.n_chunks} chunks, model id {m.model_id}) to {args.output}")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .manifest import Manifest
+    from .source import verify_copy
+
+    try:
+        with open(args.manifest) as f:
+            m = Manifest.from_json(f.read())
+    except OSError as e:
+        raise SystemExit(f"p2pw: error: cannot read manifest {args.manifest}: {e.strerror}")
+    checked, problem = verify_copy(args.dir, m)
+    if problem:
+        print(f"p2pw: error: {args.dir}: {problem}", file=sys.stderr)
+        return 1
+    print(f"p2pw: {args.dir}: all {checked} chunks match model {m.model_id[:16]}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(peers=args.peers, size_mb=args.size_mb, workdir=args.workdir, chunk_size=args.chunk_size)
+
+
+def cmd_simulate(args, rest) -> int:
+    from .simulate import main as simulate_main
+
+    return simulate_main(rest) or 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from .manifest import DEFAULT_CHUNK_SIZE
+
+    ap = argparse.ArgumentParser(prog="p2pw", description="Broadcast model weights to many hosts over a peer tree.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log every peer event")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("seed", help="serve a checkpoint (file or directory) and run the tracker")
+    s.add_argument("path")
+    s.add_argument("--port", type=int, default=7420)
+    s.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    s.add_argument("--advertise", help="address peers should use to reach this host (default: the one they used)")
+    s.add_argument("--chunk-size", type=size, default=DEFAULT_CHUNK_SIZE)
+    s.add_argument("--topology", default="binomial", help="binomial (default), chain, kary:K, striped:K, auto")
+    s.add_argument("--window", type=int, default=8, help="credit window: requests a child keeps outstanding")
+    s.add_argument("--exit-after", type=int, default=0, metavar="N", help="exit once N peers are done and gone")
+    s.add_argument("--ready", help="write {port, model_id} as JSON to this file once serving")
+    s.add_argument("--report", help="write a JSON report to this file on exit")
+    s.set_defaults(func=cmd_seed)
+
+    j = sub.add_parser("join", help="attach this host to a broadcast and download the checkpoint")
+    j.add_argument("--parent", required=True, help="HOST[:PORT] of the seeder or any peer")
+    j.add_argument("--out", help="write the checkpoint's files to this directory")
+    j.add_argument("--port", type=int, default=0, help="port to serve children on (default: any free one)")
+    j.add_argument("--host", default="0.0.0.0")
+    j.add_argument("--advertise", help="address other peers should use to reach this host")
+    j.add_argument("--model-id", help="accept only this model (a prefix of the id is enough)")
+    j.add_argument("--stay", action="store_true", help="keep serving after the download completes")
+    j.add_argument("--window", type=int, default=8)
+    j.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep trying the parent")
+    j.add_argument("--report", help="write a JSON summary to this file")
+    j.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    j.set_defaults(func=cmd_join)
+
+    m = sub.add_parser("manifest", help="print (or write) the manifest of a checkpoint")
+    m.add_argument("path")
+    m.add_argument("--chunk-size", type=size, default=DEFAULT_CHUNK_SIZE)
+    m.add_argument("-o", "--output")
+    m.set_defaults(func=cmd_manifest)
+
+    v = sub.add_parser("verify", help="check a local copy against a manifest")
+    v.add_argument("dir")
+    v.add_argument("--manifest", required=True)
+    v.set_defaults(func=cmd_verify)
+
+    d = sub.add_parser("demo", help="local broadcast of a generated model to N peer processes")
+    d.add_argument("--peers", type=int, default=4)
+    d.add_argument("--size-mb", type=float, default=256)
+    d.add_argument("--chunk-size", type=size, default=DEFAULT_CHUNK_SIZE)
+    d.add_argument("--workdir", help="keep the model and copies here (default: a temporary directory)")
+    d.set_defaults(func=cmd_demo)
+
+    sim = sub.add_parser("simulate", help="predict broadcast time for a fleet (see p2pw simulate --help)",
+                         add_help=False)
+    sim.set_defaults(func=cmd_simulate)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .api import P2PError
+    from .cache import CacheError
+    from .formats import FormatError
+    from .manifest import ManifestError
+    from .source import SourceError
+
+    argv = sys.argv[1:] if argv is None else argv
+    ap = parser()
+    args, rest = ap.parse_known_args(argv)
+    if args.command != "simulate" and rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "seed" else logging.WARNING,
+                        format="%(asctime)s p2pw %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        return args.func(args, rest) if args.command == "simulate" else args.func(args)
+    except (P2PError, FormatError, ManifestError, SourceError, CacheError, ValueError, OSError) as e:
+        msg = str(e) if not isinstance(e, OSError) or not e.strerror else f"{e.strerror}: {e.filename or ''}"
+        print(f"p2pw: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("p2pw: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Simulate: predict broadcast time of the chunked, credit-windowed tree protocol.
+
+A discrete-event model at chunk granularity of exactly what the nodes do; no
+sockets, no wall clock.  Theory of operation:
+
+* The blob (``size`` bytes) is cut into chunks of ``chunk`` bytes; chunk i goes
+  down stripe tree ``i % stripes`` of the topology (``p2pweights.topology``).
+* Each peer has one connection per stripe (to its parent in that stripe, as
+  the node opens one DEALER per stripe) and keeps at most ``window`` chunk
+  requests outstanding on it, asking for the stripe's chunks in index order.  A request reaches the parent ``latency`` seconds later; the parent
+  queues the chunk on that connection if it holds it, else parks the request
+  until the chunk is verified (fully received) and then queues it.
+* A connection sends its queue in FIFO order.  Every host's uplink,
+  ``uplink * efficiency`` bytes/s, is shared equally among its connections
+  that have something queued (processor sharing, which is max-min fair when
+  uplinks are the only caps; TCP through an htb qdisc behaves about so).
+  ``efficiency`` = 0.956 is what TCP gets of an htb rate on the testbed
+  (frame overhead, LIMITS.md).  Downlinks are not capped.
+* A chunk reaches the child ``latency`` seconds after its last byte left the
+  parent; the child holds it then (verification is free), asks for its next
+  chunk and serves parked requests of its own children.
+
+Cost: a few events per chunk per peer.  When ``nodes * chunks`` exceeds
+``budget`` the model is run twice with coarser chunks (g and 2g chunks glued
+into one, the window kept in bytes) and extrapolated linearly to the real chunk
+size: with no latency, broadcast time is a + b*chunk (bulk term plus a
+pipeline-fill term proportional to the chunk size), which is exact for the
+closed forms (star, chain) and within a few percent elsewhere.
+
+``python -m p2pweights.simulate --nodes 16 --size 256MiB --uplink 400Mbit
+--chunk 4MiB --topology striped:2`` prints a one-screen report.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import re
+import sys
+import time as _time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import topology as _topo
+
+DEFAULT_BUDGET = 400_000  # simulated chunk deliveries before coarsening
+
+
+@dataclass
+class Result:
+    """Predicted outcome of one broadcast."""
+
+    time_last: float            # seconds until the last peer holds every chunk
+    time_per_peer: np.ndarray   # seconds until peer rank r (index r-1) is complete
+    seeder_tx_bytes: float      # bytes the seeder's uplink sent
+    floor: float                # size / uplink (configured rate), the best possible
+    ratio: float                # time_last / floor
+    topology: str = ""
+    nodes: int = 0
+    size: int = 0
+    chunk: int = 0
+    stripes: int = 1
+    depth: int = 0              # deepest stripe tree, hops from the seeder
+    coarsened: int = 1          # chunks glued per simulated chunk (1 = exact run)
+    cpu_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def summary(self) -> dict:
+        t = self.time_per_peer
+        return {"min": float(t.min()), "median": float(np.median(t)), "max": float(t.max())}
+
+    def report(self) -> str:
+        s = self.summary
+        lines = [
+            f"topology   {self.topology}  ({self.stripes} stripe{'s' if self.stripes > 1 else ''}, depth {self.depth})",
+            f"peers      {self.nodes}",
+            f"model      {_fmt_bytes(self.size)} in {math.ceil(self.size / self.chunk)} chunks of {_fmt_bytes(self.chunk)}",
+            f"time       {self.time_last:.3f} s   (peers done: min {s['min']:.3f}  median {s['median']:.3f}  max {s['max']:.3f})",
+            f"floor      {self.floor:.3f} s   (size / uplink)",
+            f"ratio      {self.ratio:.3f}",
+            f"seeder tx  {_fmt_bytes(self.seeder_tx_bytes)} = {self.seeder_tx_bytes / self.size:.2f} x size",
+        ]
+        if self.coarsened > 1:
+            lines.append(f"model run  {self.coarsened} chunks per simulated chunk, extrapolated")
+        lines.append(f"cpu        {self.cpu_s:.2f} s")
+        return "\n".join(lines)
+
+
+def resolve_topology(topology, nodes: int = 16, chunks: int = 64):
+    """A topology object from a name (``auto`` decides from ``nodes``) or an object."""
+    if isinstance(topology, str):
+        if topology.strip().lower() == "auto":
+            return _topo.auto(nodes, chunks=chunks)
+        return _topo.make(topology)
+    return topology
+
+
+def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="binomial",
+             latency: float = 0.0, window: int = 8, efficiency: float = 0.956,
+             budget: int = DEFAULT_BUDGET) -> Result:
+    """Predict the broadcast of ``size`` bytes to ``nodes`` peers.
+
+    ``uplink`` is every host's configured uplink in bytes/s, ``chunk`` the
+    chunk size in bytes, ``topology`` a name (``binomial``, ``chain``,
+    ``star``, ``kary:K``, ``striped:K``, ``auto``) or a topology object,
+    ``latency`` the one-way delay of a hop in seconds, ``window`` the credit
+    window in chunks.
+    """
+    nodes, size, chunk, window = int(nodes), int(size), int(chunk), int(window)
+    if nodes < 1 or size < 1 or chunk < 1 or window < 1:
+        raise ValueError("nodes, size, chunk and window must be >= 1")
+    if uplink <= 0 or not 0 < efficiency <= 1 or latency < 0:
+        raise ValueError("uplink must be > 0, efficiency in (0, 1], latency >= 0")
+    t0 = _time.process_time()
+    n_chunks = math.ceil(size / chunk)
+    topo = resolve_topology(topology, nodes, n_chunks)
+    table = _topo.parent_table(topo, nodes)
+    rate = uplink * efficiency
+
+    g = 1
+    if nodes * n_chunks > budget:
+        # at least 2 simulated chunks per stripe even at 2g, so the fill term is visible
+        g = max(1, math.ceil(nodes * n_chunks / budget))
+        g = max(1, min(g, n_chunks // (4 * topo.stripes)))
+    if g == 1:
+        times, seeder_tx = _run(table, topo.stripes, nodes, size, chunk, rate, latency, window)
+    else:
+        t1, tx1 = _run(table, topo.stripes, nodes, size, chunk * g, rate, latency, max(1, round(window / g)))
+        t2, tx2 = _run(table, topo.stripes, nodes, size, chunk * 2 * g, rate, latency,
+                       max(1, round(window / (2 * g))))
+        times = np.maximum(t1 - (t2 - t1) * (g - 1) / g, size / rate)
+        seeder_tx = tx1
+    floor = size / uplink
+    t_last = float(times.max())
+    depth = max(max(_depths(col)) for col in table) if nodes else 0
+    return Result(time_last=t_last, time_per_peer=times, seeder_tx_bytes=float(seeder_tx),
+                  floor=floor, ratio=t_last / floor, topology=topo.name, nodes=nodes, size=size,
+                  chunk=chunk, stripes=topo.stripes, depth=depth, coarsened=g,
+                  cpu_s=_time.process_time() - t0)
+
+
+def _depths(parent_col):
+    d = [0] * len(parent_col)
+    for r in range(1, len(parent_col)):
+        d[r] = d[parent_col[r]] + 1
+    return d
+
+
+def _run(table, stripes, nodes, size, chunk, rate, latency, window):
+    """One discrete-event run; returns (completion time per peer, seeder bytes sent)."""
+    n_chunks = math.ceil(size / chunk)
+    last_size = size - (n_chunks - 1) * chunk
+    csize = lambda i: last_size if i == n_chunks - 1 else chunk  # noqa: E731
+
+    # connections: one per (child, stripe), as the node opens one DEALER per stripe parent
+    conn_parent, conn_child, conn_want = [], [], []
+    for c in range(1, nodes + 1):
+        for s in range(min(stripes, n_chunks)):
+            conn_parent.append(table[s][c])
+            conn_child.append(c)
+            conn_want.append(range(s, n_chunks, stripes))
+    n_conn = len(conn_parent)
+    next_req = [0] * n_conn          # index into conn_want of the next chunk to ask for
+    queue = [[] for _ in range(n_conn)]   # FIFO of chunks to send (list used with a head index)
+    qhead = [0] * n_conn
+
+    hosts = nodes + 1
+    held = [bytearray(n_chunks) for _ in range(hosts)]
+    held[0] = bytearray(b"\x01" * n_chunks)
+    count = [0] * hosts
+    done = np.zeros(nodes, dtype=float)
+    parked = [dict() for _ in range(hosts)]   # host -> {chunk: [conn, ...]}
+    # per-host processor sharing: virtual clock V (bytes each active conn got), heap of heads
+    V = [0.0] * hosts
+    vt = [0.0] * hosts        # time V was last advanced
+    active = [0] * hosts
+    ps = [[] for _ in range(hosts)]   # (finish_virtual, conn, chunk)
+    ver = [0] * hosts
+    sent0 = [0.0]
+    events = []               # (time, seq, kind, a, b)  kind 0: host completion, 1: request arrival, 2: delivery
+    seq = [0]
+
+    def push(t, kind, a, b=0):
+        seq[0] += 1
+        heapq.heappush(events, (t, seq[0], kind, a, b))
+
+    def advance(h, t):
+        if active[h]:
+            V[h] += (t - vt[h]) * rate / active[h]
+        vt[h] = t
+
+    def reschedule(h, t):
+        ver[h] += 1
+        if ps[h]:
+            push(t + (ps[h][0][0] - V[h]) * active[h] / rate, 0, h, ver[h])
+
+    def enqueue(ci, i, t):
+        q = queue[ci]
+        q.append(i)
+        if len(q) - qhead[ci] == 1:       # connection was idle: it joins the sharing
+            h = conn_parent[ci]
+            advance(h, t)
+            heapq.heappush(ps[h], (V[h] + csize(i), ci, i))
+            active[h] += 1
+            reschedule(h, t)
+
+    def request(ci, t):
+        """Child of ``ci`` asks for its next chunk; arrives at the parent after ``latency``."""
+        k = next_req[ci]
+        want = conn_want[ci]
+        if k >= len(want):
+            return
+        next_req[ci] = k + 1
+        if latency:
+            push(t + latency, 1, ci, want[k])
+        else:
+            arrive_request(ci, want[k], t)
+
+    def arrive_request(ci, i, t):
+        p = conn_parent[ci]
+        if held[p][i]:
+            enqueue(ci, i, t)
+        else:
+            parked[p].setdefault(i, []).append(ci)
+
+    def deliver(ci, i, t):
+        c = conn_child[ci]
+        held[c][i] = 1
+        count[c] += 1
+        if count[c] == n_chunks:
+            done[c - 1] = t
+        request(ci, t)
+        waiting = parked[c].pop(i, None)
+        if waiting:
+            for cj in waiting:
+                enqueue(cj, i, t)
+
+    for ci in range(n_conn):
+        for _ in range(window):
+            request(ci, 0.0)
+
+    while events:
+        t, _, kind, a, b = heapq.heappop(events)
+        if kind == 0:
+            h = a
+            if b != ver[h]:
+                continue
+            advance(h, t)
+            fv, ci, i = heapq.heappop(ps[h])
+            V[h] = fv
+            if h == 0:
+                sent0[0] += csize(i)
+            qhead[ci] += 1
+            q = queue[ci]
+            if qhead[ci] < len(q):
+                j = q[qhead[ci]]
+                heapq.heappush(ps[h], (V[h] + csize(j), ci, j))
+            else:
+                active[h] -= 1
+                queue[ci] = []
+                qhead[ci] = 0
+            reschedule(h, t)
+            if latency:
+                push(t + latency, 2, ci, i)
+            else:
+                deliver(ci, i, t)
+        elif kind == 1:
+            arrive_request(a, b, t)
+        else:
+            deliver(a, b, t)
+
+    if count[1:] and min(count[1:]) < n_chunks:   # a rule that leaves someone unfed
+        raise RuntimeError("simulation stalled: some peer never got every chunk")
+    return done, sent0[0]
+
+
+# ----- command line ----------------------------------------------------------
+
+_PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+           "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
+_QTY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z/]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``256MiB``, ``140GB``, ``4M`` (decimal M), ``1048576``."""
+    num, unit = _split(text, "size")
+    u = unit.lower()
+    if u.endswith("b"):
+        if unit[-1] == "b" and u not in ("b",):
+            raise ValueError(f"size {text!r}: use B for bytes (b means bits)")
+        u = u[:-1]
+    if u not in _PREFIX:
+        raise ValueError(f"size {text!r}: unknown unit {unit!r} (try 256MiB, 140GB)")
+    return int(round(num * _PREFIX[u]))
+
+
+def parse_rate(text: str) -> float:
+    """Bytes/s from ``400Mbit``, ``400Mbps``, ``1Gbit/s``, ``50MB/s``, ``50MiB/s``."""
+    num, unit = _split(text, "rate")
+    u = unit
+    for suffix in ("/s", "ps"):
+        if u.lower().endswith(suffix) and len(u) > len(suffix):
+            u = u[: -len(suffix)]
+            break
+    low = u.lower()
+    if low.endswith("bit"):
+        bits, p = True, low[:-3]
+    elif u.endswith("b") and low != "":
+        bits, p = True, low[:-1]
+    elif u.endswith("B"):
+        bits, p = False, low[:-1]
+    elif low == "":
+        bits, p = False, ""
+    else:
+        raise ValueError(f"rate {text!r}: unknown unit {unit!r} (try 400Mbit, 50MB/s)")
+    if p not in _PREFIX:
+        raise ValueError(f"rate {text!r}: unknown unit {unit!r} (try 400Mbit, 50MB/s)")
+    return num * _PREFIX[p] / (8 if bits else 1)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``1ms``, ``200us``, ``0.5s``, ``0.001``."""
+    num, unit = _split(text, "duration")
+    scale = {"": 1, "s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}.get(unit.lower())
+    if scale is None:
+        raise ValueError(f"duration {text!r}: unknown unit {unit!r} (try 1ms)")
+    return num * scale
+
+
+def _split(text, what):
+    m = _QTY.match(str(text))
+    if not m:
+        raise ValueError(f"{what} {text!r}: expected a number and a unit")
+    return float(m.group(1)), m.group(2)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n:.0f} B"
+
+
+def main(argv=None) -> int:
+    """``p2pw simulate``: print the predicted broadcast time; 2 on bad arguments."""
+    ap = argparse.ArgumentParser(prog="p2pw simulate", description="Predict broadcast time of a model to N peers.")
+    ap.add_argument("--nodes", type=int, required=True, help="number of peers (the seeder is extra)")
+    ap.add_argument("--size", required=True, help="model size, e.g. 256MiB, 140GB")
+    ap.add_argument("--uplink", required=True, help="every host's uplink, e.g. 400Mbit, 50MB/s")
+    ap.add_argument("--chunk", default="4MiB", help="chunk size (default 4MiB)")
+    ap.add_argument("--topology", default="binomial",
+                    help="binomial | chain | star | kary:K | striped:K | auto (default binomial)")
+    ap.add_argument("--latency", default="0", help="one-way hop latency, e.g. 1ms (default 0)")
+    ap.add_argument("--window", type=int, default=8, help="credit window in chunks (default 8)")
+    ap.add_argument("--efficiency", type=float, default=0.956,
+                    help="fraction of the uplink TCP gets (default 0.956, the testbed's htb)")
+    args = ap.parse_args(argv)
+    try:
+        res = simulate(args.nodes, parse_size(args.size), parse_rate(args.uplink), parse_size(args.chunk),
+                       args.topology, latency=parse_duration(args.latency), window=args.window,
+                       efficiency=args.efficiency)
+    except ValueError as e:
+        print(f"p2pw simulate: error: {e}", file=sys.stderr)
+        return 2
+    print(res.report())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
