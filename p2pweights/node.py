@@ -198,6 +198,12 @@ class Node:
             self.stop_event.set()
 
     def _close_sockets(self) -> None:
+        if self.tracker_link is not None and not self.left.is_set():
+            try:  # tell the tracker we are gone, so no joiner is sent to a dead parent
+                self.tracker_link.send(protocol.control(Msg.BYE, rank=self.rank), zmq.NOBLOCK)
+                self.tracker_link.setsockopt(zmq.LINGER, 500)
+            except zmq.ZMQError:
+                pass
         for up in self.upstreams:
             up.socket.close(0)
         if self.tracker_link is not None:
@@ -417,6 +423,12 @@ class Node:
             self.tracker.done(rank)
             log.info("peer rank %d is done", rank)
 
+    def _on_bye(self, ident: bytes, event) -> None:
+        rank = self.members.pop(ident, None)
+        if rank is not None:
+            self.tracker.gone(rank)
+            log.info("peer rank %d left", rank)
+
     def _on_leave(self, ident: bytes, event) -> None:
         rank = self.members.get(ident)
         if rank is None:
@@ -433,6 +445,7 @@ class Node:
         Msg.REQUEST: _on_request,
         Msg.DONE: _on_done,
         Msg.LEAVE: _on_leave,
+        Msg.BYE: _on_bye,
     }
 
 

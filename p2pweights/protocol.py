@@ -57,6 +57,7 @@ class Msg(IntEnum):
     LEAVE_WAIT = 12  # tracker -> peer: {waiting_for}
     HEARTBEAT = 13  # either way: {}
     REPARENT = 14   # tracker -> peer: {parents}
+    BYE = 15        # peer -> tracker: {rank}; it is leaving now, serve nobody from it
 
 
 # Required JSON fields of each control message and their types.
@@ -73,6 +74,7 @@ SCHEMA: dict[Msg, dict[str, type | tuple]] = {
     Msg.LEAVE_WAIT: {},
     Msg.HEARTBEAT: {},
     Msg.REPARENT: {"parents": list},
+    Msg.BYE: {"rank": int},
 }
 PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1}
 
@@ -165,6 +167,7 @@ SERVER_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("member", Msg.DONE): "member",
     ("member", Msg.LEAVE): "member",
     ("member", Msg.HEARTBEAT): "member",
+    ("member", Msg.BYE): "new",
     ("child", Msg.REQUEST): "child",
     ("child", Msg.HEARTBEAT): "child",
     ("child", Msg.ATTACH): "child",

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import topology as _topo
 
-DEFAULT_BUDGET = 400_000  # simulated chunk deliveries before coarsening
+DEFAULT_BUDGET = 200_000  # simulated chunk deliveries before coarsening
 
 
 @dataclass
@@ -121,9 +121,11 @@ def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="binomia
 
     g = 1
     if nodes * n_chunks > budget:
-        # at least 2 simulated chunks per stripe even at 2g, so the fill term is visible
-        g = max(1, math.ceil(nodes * n_chunks / budget))
-        g = max(1, min(g, n_chunks // (4 * topo.stripes)))
+        # at least 2 simulated chunks per stripe even at 2g, so the fill term is visible;
+        # a power of two, so that 64-chunk style models glue without a ragged last chunk
+        g = 1 << max(0, math.ceil(math.log2(nodes * n_chunks / budget)))
+        while g > 1 and n_chunks // g < 4 * topo.stripes:
+            g //= 2
     if g == 1:
         times, seeder_tx = _run(table, topo.stripes, nodes, size, chunk, rate, latency, window)
     else:

@@ -1,6 +1,6 @@
 """Store: where a node keeps the blob, which chunks of it are verified, and who waits for them.
 
-The store is one preallocated, pre-faulted host buffer of the blob's size:
+The store is one preallocated host buffer of the blob's size:
 chunk ``i`` is always ``buffer[i*C:(i+1)*C]``, so a verified chunk is served to
 children straight from it (zero-copy sends) and never moves.  A chunk's bit is
 set only after its hash matched; nothing reads an unset chunk.  Readers in
@@ -10,6 +10,7 @@ writer.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 import time
@@ -17,12 +18,41 @@ import time
 import numpy as np
 
 
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+PREFAULT_SYNC = 64 << 20  # fault in this much before returning; the rest in the background
+PREFAULT_STEP = 64 << 20
+
+
 def host_buffer(size: int):
-    """A zero-filled, pre-faulted anonymous buffer of ``size`` bytes (page faults paid now, not in the hot path)."""
+    """A zero-filled anonymous buffer of ``size`` bytes, on huge pages where the kernel allows, faulted in ahead of use.
+
+    Measured here for 1 GiB: copies into fresh 4 KiB pages run at 0.3-1.8
+    GB/s (page faults), into fresh huge pages at 1-4.8 GB/s, MAP_POPULATE costs
+    0.9 s, and MADV_POPULATE_WRITE on huge pages 0.11 s.  So the buffer is
+    advised to huge pages and populated in order by a background thread
+    (ctypes releases the GIL; populating never changes bytes already written,
+    so it may race the network thread safely).
+    """
     if size == 0:
         return bytearray(0)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(-1, size, flags=flags)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (OSError, TypeError, AttributeError):
+        return buf
+
+    def populate(lo: int, hi: int) -> bool:
+        return libc.madvise(ctypes.c_void_p(base + lo), ctypes.c_size_t(hi - lo), MADV_POPULATE_WRITE) == 0
+
+    first = min(size, PREFAULT_SYNC)
+    if populate(0, first) and first < size:
+        threading.Thread(target=lambda: all(populate(lo, min(lo + PREFAULT_STEP, size))
+                                            for lo in range(first, size, PREFAULT_STEP)),
+                         name="p2pw-prefault", daemon=True).start()
+    return buf
 
 
 class StoreClosed(RuntimeError):

@@ -89,6 +89,10 @@ class Tracker:
             self._member(rank).left = True
         return waiting
 
+    def gone(self, rank: int) -> None:
+        """``rank`` left without asking (closed, or found dead): place nobody under it."""
+        self._member(rank).left = True
+
     def _member(self, rank: int) -> Member:
         try:
             return self.members[rank]

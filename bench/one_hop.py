@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""One hop on loopback: p2pw seeder -> one peer, against raw pyzmq PUSH/PULL of the same bytes, same run.
+
+    python bench/one_hop.py [--size 1GiB] [--chunk-size 4MiB] [--repeat 3] [--disk]
+
+The raw baseline is the best a pyzmq program can do on this hop: a sender
+process pushes the blob in chunk-sized zero-copy frames from memory, a receiver
+process receives each frame straight into a preallocated, pre-touched buffer
+(``recv_into``).  The p2pw run is the real thing: ``p2pw seed`` in one process,
+``p2pw join`` in another, timed from the join call until every chunk is
+verified (handshake, manifest, buffer allocation, hashing all included).
+Runs alternate so both see the same machine.  Prints the median ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from p2pweights.cli import size  # noqa: E402
+
+
+def raw_sender(port: int, path: str, chunk: int) -> None:
+    import zmq
+
+    data = memoryview(open(path, "rb").read())
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.bind(f"tcp://127.0.0.1:{port}")
+    s.setsockopt(zmq.SNDHWM, 16)
+    time.sleep(0.3)
+    for lo in range(0, len(data), chunk):
+        s.send(data[lo:lo + chunk], copy=False)
+    s.close(linger=-1)
+    ctx.term()
+
+
+def raw_receiver(port: int, total: int, chunk: int) -> None:
+    import numpy as np
+    import zmq
+
+    buf = np.ones(total, dtype=np.uint8)  # touched: no page faults in the timed loop
+    view = memoryview(buf)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, 16)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    got = s.recv_into(view[0:chunk])
+    t0 = time.perf_counter()  # first frame arrived: the timed part is pure transfer
+    lo = got
+    while lo < total:
+        lo += s.recv_into(view[lo:lo + chunk])
+    secs = (time.perf_counter() - t0) * total / (total - got)
+    print(json.dumps({"seconds": secs}))
+
+
+def run_raw(path: str, total: int, chunk: int, port: int) -> float:
+    recv = subprocess.Popen([sys.executable, __file__, "--role", "raw-recv", "--port", str(port),
+                             "--size", str(total), "--chunk-size", str(chunk)], stdout=subprocess.PIPE)
+    send = subprocess.Popen([sys.executable, __file__, "--role", "raw-send", "--port", str(port),
+                             "--blob", path, "--chunk-size", str(chunk)])
+    out, _ = recv.communicate(timeout=300)
+    send.wait(60)
+    return json.loads(out)["seconds"]
+
+
+def run_p2pw(path: str, chunk: int, port: int, out_dir: str | None, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        ready, report = os.path.join(tmp, "ready"), os.path.join(tmp, "peer.json")
+        seeder = subprocess.Popen([sys.executable, "-m", "p2pweights", "seed", path, "--host", "127.0.0.1",
+                                   "--port", str(port), "--chunk-size", str(chunk), "--ready", ready, *extra],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        try:
+            while not os.path.exists(ready):
+                if seeder.poll() is not None:
+                    raise RuntimeError("seeder failed to start")
+                time.sleep(0.05)
+            argv = [sys.executable, "-m", "p2pweights", "join", "--parent", f"127.0.0.1:{port}", "--host",
+                    "127.0.0.1", "--report", report, "-q", *extra]
+            if out_dir:
+                argv += ["--out", out_dir]
+            subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, cwd=ROOT, timeout=300)
+            with open(report) as f:
+                return json.load(f)
+        finally:
+            seeder.terminate()
+            seeder.wait(30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", type=size, default=1 << 30)
+    ap.add_argument("--chunk-size", type=size, default=4 << 20)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--disk", action="store_true", help="also time p2pw writing the copy to disk")
+    ap.add_argument("--port", type=int, default=17420)
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--blob", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "raw-send":
+        raw_sender(args.port, args.blob, args.chunk_size)
+        return 0
+    if args.role == "raw-recv":
+        raw_receiver(args.port, args.size, args.chunk_size)
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="p2pw-bench-") as tmp:
+        blob = os.path.join(tmp, "blob.bin")
+        with open(blob, "wb") as f:
+            left = args.size
+            while left:
+                n = min(left, 64 << 20)
+                f.write(os.urandom(n))
+                left -= n
+        rows = {"raw pyzmq": [], "p2pw": []}
+        if args.disk:
+            rows["p2pw --out"] = []
+        for r in range(args.repeat):
+            rows["raw pyzmq"].append(run_raw(blob, args.size, args.chunk_size, args.port))
+            rows["p2pw"].append(run_p2pw(blob, args.chunk_size, args.port + 1, None, [])["seconds"])
+            if args.disk:
+                out = os.path.join(tmp, f"copy{r}")
+                rows["p2pw --out"].append(run_p2pw(blob, args.chunk_size, args.port + 1, out, [])["seconds"])
+        base = statistics.median(rows["raw pyzmq"])
+        print(f"one hop on loopback, {args.size / 2**30:.2f} GiB in {args.chunk_size >> 20} MiB chunks, "
+              f"median of {args.repeat}")
+        print(f"{'path':<14}{'seconds':>9}{'GB/s':>8}{'ratio':>8}")
+        for name, secs in rows.items():
+            med = statistics.median(secs)
+            print(f"{name:<14}{med:>9.3f}{args.size / med / 1e9:>8.2f}{base / med:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
