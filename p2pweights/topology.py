@@ -161,16 +161,18 @@ def make(name: str, **opts):
 def auto(n_expected: int, chunks: int = 64):
     """The topology to use for about ``n_expected`` peers (``chunks`` per model).
 
-    Why (from ``p2pweights.simulate``, equal uplinks B, no latency, model S cut
-    into ``chunks`` chunks): the broadcast can't beat S/B.  A chain reaches
-    S/B * (1 + (N - 1)/chunks): every uplink carries one copy and only the
-    pipeline fill grows with N, so it is the best layout while N - 1 is a
-    small fraction of the chunk count (within 1.5x of the floor for
-    N <= chunks/2 + 1, 33 peers at 256 MiB / 4 MiB).  Beyond that the striped
-    multi-tree wins: ``striped:2`` stays near 1.5-1.6 S/B for any N (its seeder
-    sends 1.5 copies, a head uploads at most 1.5), against log2(N+1) S/B for
-    binomial and about k S/B for k-ary.  Chain is also what loses least when
-    the fleet is smaller than expected.  Refine from benchmark results.
+    Why (from ``p2pweights.simulate``: equal uplinks B, no latency, a model of
+    size S cut into ``chunks`` chunks; floor S/B): a chain takes
+    S/B * (1 + (N - 1)/chunks), since every uplink carries one copy and only
+    the pipeline fill grows with N, so it is the best layout while N - 1 is a
+    small fraction of the chunk count; it is kept up to N - 1 = chunks/2
+    (33 peers at 256 MiB / 4 MiB, 1.5 S/B), a little short of the simulated
+    crossover (about N = 45) because every real hop adds latency and CPU.
+    Beyond that ``striped:2`` wins: 1.7 S/B at N = 64, 1.9 at 1,000, 2.2 at
+    10,000 (its seeder sends 1.5 copies, a head uploads at most 1.5; the rest
+    is fill), against log2(N + 1) S/B for binomial (10.7 at 1,000), about 2.2-2.5
+    for ``kary:2`` and (k + 1)/2 or more for ``striped:k``, bound by its seeder.
+    Refine from benchmark results.
     """
     n = int(n_expected)
     if n < 1:
