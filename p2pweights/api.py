@@ -114,8 +114,12 @@ def seed(path, **kw) -> Seeder:
 class Download:
     """A running join: the blob fills in as chunks are verified."""
 
-    def __init__(self, node: Node, store: Store, cache: DiskCache | None, welcome: dict, started: float):
+    loader = None  # a device.Loader when join(..., device=...) asked for one
+
+    def __init__(self, node: Node, store: Store, cache: DiskCache | None, welcome: dict, started: float,
+                 listen: str):
         self.node, self.store, self.cache = node, store, cache
+        self.listen = listen
         self.manifest: Manifest = store.manifest
         self.rank: int = welcome["rank"]
         self.parents: list[dict] = welcome["parents"]
@@ -141,7 +145,7 @@ class Download:
     def wait_range(self, lo: int, hi: int, timeout: float | None = None) -> None:
         """Return once every chunk covering bytes [lo, hi) of the blob is verified."""
         chunks = self.manifest.chunks_covering(lo, hi)
-        if not self._wait(chunks, timeout):
+        if not (self.loader.wait_chunks(chunks, timeout) if self.loader else self._wait(chunks, timeout)):
             have = int(self.store.have[chunks.start:chunks.stop].sum())
             raise TimeoutError(f"bytes [{lo}, {hi}) not complete after {timeout} s: "
                                f"{have} of {len(chunks)} chunks verified")
@@ -170,12 +174,35 @@ class Download:
         end = self.store.done_at or time.monotonic()
         return end - self.started
 
+    def _device(self):
+        if self.loader is None:
+            raise P2PError("tensors need a device: join(..., device='cpu' or 'cuda:N')")
+        return self.loader
+
+    def wait_tensor(self, name: str, timeout: float | None = None):
+        """Tensor ``name`` (a view into the device buffer, its dtype and shape) once its bytes are there."""
+        return self._device().wait_tensor(name, timeout)
+
+    def iter_tensors(self, timeout: float | None = None):
+        """Yield ``(name, tensor)`` in the order their bytes complete."""
+        return self._device().iter_tensors(timeout)
+
+    def state_dict(self, timeout: float | None = None) -> dict:
+        """Every tensor as a view into the device buffer, once the whole blob is there."""
+        return self._device().state_dict(timeout)
+
+    def stage_report(self) -> dict:
+        """Seconds and GB/s of fetch, verify, stage_host, h2d; when the first and last tensors were usable."""
+        return self._device().report()
+
     def close(self, linger: bool = False, timeout: float | None = None) -> None:
         """Stop.  With ``linger``, first keep serving until the tracker says no peer depends on us."""
         if linger and not self.node.fatal:
             self.node.leave_when_done = True
             self.node.left.wait(timeout)
         self.node.stop()
+        if self.loader is not None:
+            self.loader.close()
         self.node.ctx.term()
 
     def __enter__(self):
@@ -223,13 +250,14 @@ def _handshake(ctx, addr: str, hello: dict, model_id: str | None, timeout: float
 
 def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0.0.0",
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
-         connect_timeout: float = 30.0, peer_id: str | None = None) -> Download:
+         connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None) -> Download:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.
     ``out``: write the checkpoint's files there.  ``model_id``: refuse any
     other checkpoint.  ``connect_timeout``: how long to keep trying a parent
-    that is not up yet.
+    that is not up yet.  ``device`` ('cpu', 'cuda:N'): stream verified chunks
+    into one buffer there, for ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.
     """
     started = time.monotonic()
     p_host, p_port = parse_addr(parent)
@@ -259,5 +287,16 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         cache.on_error = node._fail
         node.extra_done.append(cache.finished.is_set)
         store.sinks.append(cache)
+    loader = None
+    if device is not None:
+        from .device import Loader  # imports torch: only when a device is asked for
+        try:
+            loader = Loader(node, store, device, started)
+        except Exception:
+            node._close_sockets()
+            ctx.destroy(0)
+            raise
     node.start()
-    return Download(node, store, cache, welcome, started)
+    dl = Download(node, store, cache, welcome, started, hello["listen"])
+    dl.loader = loader
+    return dl

@@ -129,7 +129,7 @@ def cmd_join(args) -> int:
           f"{p['n_chunks']} chunks, {st.refetched} re-fetched; rank {dl.rank} under {parents}", flush=True)
     write_json(args.report, {"rank": dl.rank, "parents": [x["rank"] for x in dl.parents], "seconds": secs,
                              "bytes": p["total"], "refetched": st.refetched, "bad_chunks": st.bad_chunks,
-                             "bytes_sent": st.bytes_sent, "model_id": dl.model_id})
+                             "bytes_sent": st.bytes_sent, "model_id": dl.model_id, "listen": dl.listen})
     if args.stay:
         print("p2pw: staying to serve others (Ctrl-C to stop)", flush=True)
         stop = threading.Event()

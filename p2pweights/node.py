@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import protocol
+from . import faults, protocol
 from .manifest import chunk_hasher
 from .protocol import CLIENT_TRANSITIONS, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
 
@@ -102,6 +102,7 @@ class Node:
         self.parked: dict[int, list[bytes]] = defaultdict(list)
         self.bad: dict[bytes, int] = defaultdict(int)
         self.stats = Stats()
+        self.faults = faults.from_env()
         self.poller = zmq.Poller()
         self.poller.register(router, zmq.POLLIN)
         self.stop_event = threading.Event()
@@ -257,6 +258,8 @@ class Node:
         n = sock.recv_into(view)
         self._discard_rest(sock)
         self.stats.chunks_received += 1
+        if self.faults is not None:
+            self.faults.received()
         if n != len(view) or self.digest(view) != self.manifest.chunks[index]:
             self.stats.bad_chunks += 1
             self.stats.refetched += 1
@@ -364,6 +367,10 @@ class Node:
 
     def _send_chunk(self, ident: bytes, index: int) -> None:
         data = self.store.chunk(index)
+        if self.faults is not None:
+            data = self.faults.outgoing(data)
+            if data is None:
+                return
         if self._send(ident, protocol.chunk_header(index), data, copy=False):
             self.stats.chunks_sent += 1
             self.stats.bytes_sent += len(data)

@@ -1,0 +1,81 @@
+"""Faults: opt-in fault injection for tests and chaos benchmarks; never active by default.
+
+Set ``P2PW_FAULTS`` in a node's environment to a comma-separated list:
+
+- ``corrupt=P``: flip a byte in a fraction P of the chunks this node sends (its store stays intact)
+- ``drop=P``: silently skip a fraction P of the chunks this node would send
+- ``delay_send=MS``: sleep MS milliseconds before each chunk this node sends
+- ``delay_recv=MS``: sleep MS milliseconds after each chunk this node receives (a slow reader)
+- ``seed=N``: seed of the random choices, for repeatable runs
+
+The node asks ``FAULTS`` (None when the variable is unset), so the hot path pays
+one ``is None`` test when no fault is configured.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("p2pw")
+
+
+@dataclass
+class Faults:
+    """What to do wrong, and how often."""
+
+    corrupt: float = 0.0
+    drop: float = 0.0
+    delay_send: float = 0.0
+    delay_recv: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        self.rng = random.Random(self.seed)
+
+    def outgoing(self, data):
+        """The bytes to send for a chunk (maybe corrupted), or None to drop it."""
+        if self.delay_send:
+            time.sleep(self.delay_send)
+        if self.drop and self.rng.random() < self.drop:
+            return None
+        if self.corrupt and self.rng.random() < self.corrupt and len(data):
+            bad = bytearray(data)
+            bad[self.rng.randrange(len(bad))] ^= 0xFF
+            return bad
+        return data
+
+    def received(self) -> None:
+        if self.delay_recv:
+            time.sleep(self.delay_recv)
+
+
+def parse(spec: str) -> Faults:
+    """Parse a ``P2PW_FAULTS`` value; ValueError naming the bad item."""
+    f = Faults()
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, _, value = item.partition("=")
+        try:
+            if key in ("corrupt", "drop"):
+                setattr(f, key, float(value))
+            elif key in ("delay_send", "delay_recv"):
+                setattr(f, key, float(value.removesuffix("ms")) / 1000)
+            elif key == "seed":
+                f.seed = int(value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"bad P2PW_FAULTS item {item!r}") from None
+    f.rng = random.Random(f.seed)
+    return f
+
+
+def from_env() -> Faults | None:
+    spec = os.environ.get("P2PW_FAULTS")
+    if not spec:
+        return None
+    faults = parse(spec)
+    log.warning("fault injection is ON (P2PW_FAULTS=%s)", spec)
+    return faults

@@ -1,0 +1,88 @@
+"""End to end: a seeder and 1, 3, 7 peers as real processes on loopback; every copy byte-identical."""
+import json
+import os
+import time
+
+import pytest
+
+from conftest import same_tree
+
+from p2pweights.topology import Binomial
+
+CHUNK = "64KiB"
+
+
+def broadcast(procs, tmp_path, source, peers: int):
+    seeder, info = procs.seeder(source, "--chunk-size", CHUNK, "--exit-after", peers,
+                                "--report", tmp_path / "seed.json")
+    joins = [procs.join(info["port"], tmp_path / f"peer{k}", "--report", tmp_path / f"peer{k}.json",
+                        "--model-id", info["model_id"]) for k in range(peers)]
+    for j in joins:
+        assert j.wait(90) == 0, j.output()
+        assert "p2pw: done" in j.output()
+    assert seeder.wait(30) == 0, seeder.output()
+    return json.loads((tmp_path / "seed.json").read_text()), [
+        json.loads((tmp_path / f"peer{k}.json").read_text()) for k in range(peers)]
+
+
+@pytest.mark.parametrize("peers", [1, 3, 7])
+def test_directory_to_n_peers(procs, tmp_path, model_dir, peers):
+    seed, reports = broadcast(procs, tmp_path, model_dir, peers)
+    for k in range(peers):
+        assert same_tree(model_dir, tmp_path / f"peer{k}") == []
+    blob = seed["total_size"]
+    assert seed["bytes_read"] == sum(os.path.getsize(model_dir / f) for f in os.listdir(model_dir))
+    assert seed["bytes_read"] <= blob
+    # the tree the tracker built is the binomial rule, whatever order the peers joined in
+    ranks = sorted(r["rank"] for r in reports)
+    assert ranks == list(range(1, peers + 1))
+    for r in reports:
+        assert r["parents"] == Binomial().parents(r["rank"])
+        assert seed["peers"][str(r["rank"])]["done"]
+    # the seeder sent one copy per child of its own, not one per peer
+    seeder_children = sum(1 for r in reports if r["parents"] == [0])
+    assert seed["bytes_sent"] == seeder_children * blob
+
+
+@pytest.mark.parametrize("peers", [1, 3])
+def test_single_file(procs, tmp_path, peers):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "weights.bin").write_bytes(os.urandom(3 * 65536 + 777))
+    seed, reports = broadcast(procs, tmp_path, src / "weights.bin", peers)
+    for k in range(peers):
+        assert (tmp_path / f"peer{k}" / "weights.bin").read_bytes() == (src / "weights.bin").read_bytes()
+    assert seed["bytes_read"] == 3 * 65536 + 777
+
+
+def test_join_through_a_peer_lands_where_the_tracker_says(procs, tmp_path, model_dir):
+    seeder, info = procs.seeder(model_dir, "--chunk-size", CHUNK, "--report", tmp_path / "seed.json")
+    first = procs.join(info["port"], tmp_path / "a", "--report", tmp_path / "a.json", "--stay")
+    first.wait_line("staying to serve")
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert a["rank"] == 1
+    a_port = a["listen"].rsplit(":", 1)[1]
+    second = procs.join(a_port, tmp_path / "b", "--report", tmp_path / "b.json")  # through peer A, not the seeder
+    assert second.wait(60) == 0, second.output()
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["rank"] == 2 and b["parents"] == Binomial().parents(2) == [0]
+    third = procs.join(a_port, tmp_path / "c", "--report", tmp_path / "c.json")
+    assert third.wait(60) == 0, third.output()
+    c = json.loads((tmp_path / "c.json").read_text())
+    assert c["rank"] == 3 and c["parents"] == [1]  # rank 3 hangs under rank 1 (peer A)
+    for d in "abc":
+        assert same_tree(model_dir, tmp_path / d) == []
+    seeder.wait_line(r"joined as rank 3 under rank 1")
+
+
+def test_partial_names_until_complete(procs, tmp_path, model_dir):
+    """While chunks are missing the files exist only as NAME.partial; complete files appear by rename."""
+    seeder, info = procs.seeder(model_dir, "--chunk-size", CHUNK)
+    slow = procs.join(info["port"], tmp_path / "p", env={"P2PW_FAULTS": "delay_recv=20ms"})
+    deadline = time.monotonic() + 30
+    while not list((tmp_path / "p").glob("*.partial")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    names = os.listdir(tmp_path / "p")
+    assert names and all(n.endswith(".partial") for n in names), names
+    assert slow.wait(90) == 0, slow.output()
+    assert same_tree(model_dir, tmp_path / "p") == []
