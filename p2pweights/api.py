@@ -260,6 +260,9 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     into one buffer there, for ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.
     """
     started = time.monotonic()
+    if device is not None:
+        from .device import Loader, parse_device  # imports torch: only when a device is asked for
+        parse_device(device)
     p_host, p_port = parse_addr(parent)
     parent = f"{p_host}:{p_port}"
     ctx = zmq.Context()
@@ -289,7 +292,6 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         store.sinks.append(cache)
     loader = None
     if device is not None:
-        from .device import Loader  # imports torch: only when a device is asked for
         try:
             loader = Loader(node, store, device, started)
         except Exception:

@@ -1,4 +1,4 @@
-"""CLI: ``p2pw seed | join | manifest | verify | demo | simulate``.
+"""CLI: ``p2pw pack | seed | join | manifest | verify | demo | simulate``.
 
 Thin: every command is a call into the library plus printing.  Errors a user
 can cause end as one ``p2pw: error: ...`` line and exit status 1, never a
@@ -115,7 +115,7 @@ def cmd_join(args) -> int:
     from .api import join
 
     dl = join(args.parent, out=args.out, port=args.port, host=args.host, advertise=args.advertise,
-              model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout)
+              model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device)
     bar = None if args.quiet else ProgressBar(dl)
     try:
         dl.wait()
@@ -127,6 +127,11 @@ def cmd_join(args) -> int:
     parents = ", ".join(f"rank {x['rank']}" for x in dl.parents)
     print(f"p2pw: done {human(p['total'])} in {secs:.2f} s ({p['total'] / secs / 1e9:.3f} GB/s), "
           f"{p['n_chunks']} chunks, {st.refetched} re-fetched; rank {dl.rank} under {parents}", flush=True)
+    if args.device:
+        from .device import format_report
+
+        dl.state_dict()
+        print(format_report(dl.stage_report()), flush=True)
     write_json(args.report, {"rank": dl.rank, "parents": [x["rank"] for x in dl.parents], "seconds": secs,
                              "bytes": p["total"], "refetched": st.refetched, "bad_chunks": st.bad_chunks,
                              "bytes_sent": st.bytes_sent, "model_id": dl.model_id, "listen": dl.listen})
@@ -140,6 +145,20 @@ def cmd_join(args) -> int:
         dl.close()
     else:
         dl.close(linger=True)
+    return 0
+
+
+def cmd_pack(args) -> int:
+    from .pack import pack, unpack
+
+    t0 = time.monotonic()
+    if args.unpack:
+        n = unpack(args.src, args.output)
+        print(f"p2pw: unpacked {n} tensors of {args.src} into {args.output} in {time.monotonic() - t0:.2f} s")
+        return 0
+    doc = pack(args.src, args.output)
+    print(f"p2pw: packed {len(doc['tensors'])} tensors ({human(doc['total_size'])}, forward-pass order, "
+          f"{doc['align']}-byte aligned) into {args.output} in {time.monotonic() - t0:.2f} s")
     return 0
 
 
@@ -218,7 +237,15 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep trying the parent")
     j.add_argument("--report", help="write a JSON summary to this file")
     j.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    j.add_argument("--device", help="stream chunks into one buffer on this torch device (cpu, cuda:N) "
+                                    "and print the stage report")
     j.set_defaults(func=cmd_join)
+
+    pk = sub.add_parser("pack", help="rewrite safetensors into the loading-optimised layout (or back)")
+    pk.add_argument("src", help="safetensors file or directory (with --unpack: a packed directory)")
+    pk.add_argument("-o", "--output", required=True, help="packed directory (with --unpack: a .safetensors file)")
+    pk.add_argument("--unpack", action="store_true", help="write a packed checkpoint back as one safetensors file")
+    pk.set_defaults(func=cmd_pack)
 
     m = sub.add_parser("manifest", help="print (or write) the manifest of a checkpoint")
     m.add_argument("path")

@@ -15,6 +15,10 @@ import struct
 
 ALIGN = 4096
 MAX_HEADER = 100 << 20
+PACKED_SUFFIX = ".p2pw"  # the blob of a packed checkpoint (see pack.py)
+PACKED_INDEX_SUFFIX = ".p2pw.json"  # its index: {format, version, align, total_size, tensors}
+PACKED_FORMAT = "p2pw-packed"
+PACKED_VERSION = 1
 
 # Bytes per element of every whole-byte safetensors dtype.
 DTYPE_SIZES = {
@@ -98,6 +102,41 @@ def read_safetensors_header(path) -> tuple[list[dict], int]:
     return tensors, data_start
 
 
+def read_packed_index(path) -> tuple[dict, list[dict]]:
+    """The index of a packed checkpoint: (its JSON document, tensors ``{name, dtype, shape, offset, nbytes}``).
+
+    Offsets are positions in the packed blob; each is checked to be
+    ``align``-aligned, inside the blob and sized for its dtype and shape.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(MAX_HEADER + 1))
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror or e}") from e
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError(f"{path}: packed index is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != PACKED_FORMAT:
+        raise FormatError(f"{path}: not a p2pw packed index (format is not {PACKED_FORMAT!r})")
+    if doc.get("version") != PACKED_VERSION:
+        raise FormatError(f"{path}: packed index version {doc.get('version')!r}, this p2pw reads {PACKED_VERSION}")
+    total, align = doc.get("total_size"), doc.get("align")
+    if type(total) is not int or type(align) is not int or total < 0 or align <= 0:
+        raise FormatError(f"{path}: total_size and align must be non-negative integers")
+    tensors = []
+    for i, t in enumerate(doc.get("tensors", [])):
+        try:
+            name, dtype, shape, offset = t["name"], t["dtype"], list(t["shape"]), int(t["offset"])
+            nbytes = tensor_nbytes(dtype, shape)
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"{path}: tensor #{i} is malformed: {e!r}") from None
+        if nbytes != t.get("nbytes") or offset % align or not 0 <= offset <= offset + nbytes <= total:
+            raise FormatError(f"{path}: tensor {name!r} at {offset}+{t.get('nbytes')} is misaligned, "
+                              f"mis-sized for {dtype}{shape} or outside the {total}-byte blob")
+        tensors.append({"name": name, "dtype": dtype, "shape": shape, "offset": offset, "nbytes": nbytes})
+    return doc, tensors
+
+
 def _check_readable(path: str) -> None:
     if not os.access(path, os.R_OK):
         raise FormatError(f"{path}: not readable (permission denied)")
@@ -156,13 +195,33 @@ def layout(path) -> tuple[list[dict], list[dict], int]:
     boundary; ``tensors`` are ``{name, dtype, shape, offset, nbytes, file}`` from
     every ``*.safetensors`` file, with ``offset`` in blob coordinates;
     ``total_size`` ends at the last file's last byte (no trailing padding).
+    A packed checkpoint's tensors come from its index (``NAME.p2pw.json``
+    describing ``NAME.p2pw``), not from reading the blob.
     """
     files, tensors, seen = [], [], {}
     end = 0
-    for name, abspath, size in checkpoint_files(path):
-        offset = align_up(end)
+    entries = checkpoint_files(path)
+    starts, sizes = {}, {name: size for name, _, size in entries}
+    for name, abspath, size in entries:
+        offset = starts[name] = align_up(end)
         files.append({"name": name, "offset": offset, "size": size})
         end = offset + size
+    for name, abspath, size in entries:
+        offset = starts[name]
+        if name.endswith(PACKED_INDEX_SUFFIX):
+            blob, packed = read_packed_index(abspath)
+            blob_name = name[: -len(PACKED_INDEX_SUFFIX)] + PACKED_SUFFIX
+            if blob_name not in starts:
+                raise FormatError(f"{abspath}: packed index without its blob {blob_name}")
+            if blob["total_size"] != sizes[blob_name]:
+                raise FormatError(f"{abspath}: index says the blob has {blob['total_size']} bytes, "
+                                  f"{blob_name} has {sizes[blob_name]}")
+            for t in packed:
+                if t["name"] in seen:
+                    raise FormatError(f"{abspath}: tensor {t['name']!r} also appears in {seen[t['name']]}")
+                seen[t["name"]] = blob_name
+                tensors.append({**t, "offset": starts[blob_name] + t["offset"], "file": blob_name})
+            continue
         if not name.endswith(".safetensors"):
             continue
         for t in read_safetensors_header(abspath)[0]:
