@@ -14,9 +14,9 @@ import uuid
 
 import zmq
 
-from . import protocol
+from . import keys, protocol
 from .cache import DiskCache
-from .manifest import DEFAULT_CHUNK_SIZE, Manifest, ManifestError, build
+from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, ManifestError, build, check_model_id
 from .node import DEFAULT_WINDOW, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
 from .store import Store, StoreClosed, host_buffer
@@ -25,6 +25,7 @@ from .tracker import Tracker
 
 DEFAULT_PORT = 7420
 MAX_REDIRECTS = 4
+MAX_STRIPES = 64  # parents a WELCOME may name (one link each)
 
 
 class P2PError(RuntimeError):
@@ -58,8 +59,10 @@ class Seeder:
 
     def __init__(self, path, *, port: int = DEFAULT_PORT, host: str = "0.0.0.0",
                  chunk_size: int = DEFAULT_CHUNK_SIZE, topology: str = "binomial", hash: str = "xxh3_64",
-                 advertise: str | None = None, window: int = DEFAULT_WINDOW):
+                 advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
+                 max_peers: int = 10_000):
         self.path = os.fspath(path)
+        self.key = key
         self.topology = make_topology(topology)
         t0 = time.monotonic()
         self.manifest, self.bytes_read, buffer = build(path, chunk_size, hash, into=host_buffer)
@@ -69,10 +72,16 @@ class Seeder:
             self.store.have[i] = True
         self.store.count = self.manifest.n_chunks
         self.ctx = zmq.Context()
-        router, self.port = bind_router(self.ctx, host, port)
-        self.tracker = Tracker(self.topology, advertise or "")
+        self.gate = keys.gate(self.ctx, key)  # ZAP allow-list, before any keyed socket exists
+        try:
+            router, self.port = bind_router(self.ctx, host, port, key)
+        except zmq.ZMQError as e:
+            self.gate and self.gate.stop()
+            self.ctx.term()
+            raise P2PError(f"cannot listen on {host}:{port}: {e}") from None
+        self.tracker = Tracker(self.topology, advertise or "", max_peers=max_peers)
         self.node = Node(self.ctx, router, self.manifest, self.store, peer_id="seeder", tracker=self.tracker,
-                         window=window)
+                         window=window, key=key)
         self.node.start()
 
     @property
@@ -97,6 +106,8 @@ class Seeder:
 
     def close(self) -> None:
         self.node.stop()
+        if self.gate is not None:
+            self.gate.stop()
         self.ctx.term()
 
     def __enter__(self):
@@ -115,6 +126,7 @@ class Download:
     """A running join: the blob fills in as chunks are verified."""
 
     loader = None  # a device.Loader when join(..., device=...) asked for one
+    gate = None  # the keys.Gate (ZAP handler) of a keyed join
 
     def __init__(self, node: Node, store: Store, cache: DiskCache | None, welcome: dict, started: float,
                  listen: str):
@@ -203,6 +215,8 @@ class Download:
         self.node.stop()
         if self.loader is not None:
             self.loader.close()
+        if self.gate is not None:
+            self.gate.stop()
         self.node.ctx.term()
 
     def __enter__(self):
@@ -212,15 +226,24 @@ class Download:
         self.close()
 
 
-def _handshake(ctx, addr: str, hello: dict, model_id: str | None, timeout: float):
+def _handshake(ctx, addr: str, hello: dict, model_id: str | None, timeout: float, key=None):
     """HELLO the node at ``addr``, following REDIRECTs to the tracker; returns (socket, addr, welcome, manifest)."""
     for _ in range(MAX_REDIRECTS):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 30)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MANIFEST_BYTES)
+        keys.secure_client(sock, key)
+        watch = keys.LinkWatch(sock, addr, key)
         sock.connect(tcp(addr))
         sock.send(protocol.control(Msg.HELLO, **hello))
-        if not sock.poll(int(timeout * 1000), zmq.POLLIN):
+        try:
+            answered = watch.wait(timeout)
+        except keys.LinkRefused as e:
+            sock.close(0)
+            raise P2PError(str(e)) from None
+        finally:
+            watch.close()
+        if not answered:
             sock.close(0)
             raise P2PError(f"no answer from {addr} within {timeout:g} s: is a p2pw seeder or peer running there?")
         try:
@@ -239,6 +262,12 @@ def _handshake(ctx, addr: str, hello: dict, model_id: str | None, timeout: float
         if event.type != Msg.WELCOME:
             sock.close(0)
             raise P2PError(f"{addr} answered HELLO with {event.type.name}")
+        stripes, parents = event.fields["stripes"], event.fields["parents"]
+        if not 1 <= stripes <= MAX_STRIPES or len(parents) != stripes or not all(
+                isinstance(p, dict) and isinstance(p.get("addr"), str) and p.get("stripe") in range(stripes)
+                and isinstance(p.get("rank"), int) for p in parents):
+            sock.close(0)
+            raise P2PError(f"{addr} sent a malformed WELCOME: {stripes} stripes, parents {str(parents)[:200]}")
         try:
             manifest = Manifest.from_json(bytes(event.payload), expect_id=model_id)
         except ManifestError as e:
@@ -250,7 +279,8 @@ def _handshake(ctx, addr: str, hello: dict, model_id: str | None, timeout: float
 
 def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0.0.0",
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
-         connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None) -> Download:
+         connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
+         key: keys.FleetKey | None = None) -> Download:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.
@@ -258,31 +288,41 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     other checkpoint.  ``connect_timeout``: how long to keep trying a parent
     that is not up yet.  ``device`` ('cpu', 'cuda:N'): stream verified chunks
     into one buffer there, for ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.
+    ``key`` (``keys.load(DIR)``): CURVE-encrypt and authenticate every link.
     """
     started = time.monotonic()
+    if model_id is not None:
+        try:
+            model_id = check_model_id(model_id)
+        except ManifestError as e:
+            raise P2PError(str(e)) from None
     if device is not None:
         from .device import Loader, parse_device  # imports torch: only when a device is asked for
         parse_device(device)
     p_host, p_port = parse_addr(parent)
     parent = f"{p_host}:{p_port}"
     ctx = zmq.Context()
+    gate = keys.gate(ctx, key)
     try:
-        router, my_port = bind_router(ctx, host, port)
+        router, my_port = bind_router(ctx, host, port, key)
     except zmq.ZMQError as e:
+        gate and gate.stop()
         ctx.term()
         raise P2PError(f"cannot listen on {host}:{port}: {e}") from None
     me = advertise or local_ip_towards(p_host)
     peer_id = peer_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id}
     try:
-        link, tracker_addr, welcome, manifest = _handshake(ctx, parent, hello, model_id, connect_timeout)
+        link, tracker_addr, welcome, manifest = _handshake(ctx, parent, hello, model_id, connect_timeout, key)
         store = Store(manifest)
         cache = DiskCache(manifest, out) if out else None
     except Exception:
         router.close(0)
+        gate and gate.stop()
         ctx.destroy(0)
         raise
-    node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window, attach_timeout=connect_timeout)
+    node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window, attach_timeout=connect_timeout,
+                key=key)
     node.attach_tracker(link, tracker_addr, welcome["rank"])
     for p in welcome["parents"]:
         node.add_parent(p["stripe"], welcome["stripes"], p["addr"] or tracker_addr, p["rank"])
@@ -296,9 +336,11 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
             loader = Loader(node, store, device, started)
         except Exception:
             node._close_sockets()
+            gate and gate.stop()
             ctx.destroy(0)
             raise
     node.start()
     dl = Download(node, store, cache, welcome, started, hello["listen"])
     dl.loader = loader
+    dl.gate = gate
     return dl

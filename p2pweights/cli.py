@@ -1,4 +1,4 @@
-"""CLI: ``p2pw pack | seed | join | manifest | verify | demo | simulate``.
+"""CLI: ``p2pw pack | keygen | seed | join | manifest | verify | demo | simulate``.
 
 Thin: every command is a call into the library plus printing.  Errors a user
 can cause end as one ``p2pw: error: ...`` line and exit status 1, never a
@@ -80,15 +80,20 @@ def write_json(path: str | None, doc: dict) -> None:
 def cmd_seed(args) -> int:
     from .api import seed
 
+    key = load_key(args.key)
     s = seed(args.path, port=args.port, host=args.host, chunk_size=args.chunk_size, topology=args.topology,
-             advertise=args.advertise, window=args.window)
+             advertise=args.advertise, window=args.window, hash=args.hash, key=key, max_peers=args.max_peers)
     m = s.manifest
     print(f"p2pw: serving {args.path}: {human(m.total_size)} in {m.n_chunks} chunks of {human(m.chunk_size)}, "
           f"{len(m.files)} files, {len(m.tensors)} tensors (read {human(s.bytes_read)} from storage "
           f"in {s.scan_seconds:.2f} s)", flush=True)
     print(f"p2pw: model id {s.model_id}")
-    print(f"p2pw: join with: p2pw join --parent {args.advertise or '<this host>'}:{s.port} "
-          f"--model-id {s.model_id[:16]}", flush=True)
+    if key is None:
+        print("p2pw: WARNING: links are NOT encrypted or authenticated: anyone who can reach this port can fetch "
+              "the model (use --key DIR from p2pw keygen)", flush=True)
+    else:
+        print(f"p2pw: links are CURVE-encrypted; only holders of the fleet key in {key.dir} can join", flush=True)
+    print(f"p2pw: join with: {join_command(args, s.port, s.model_id, key)}", flush=True)
     write_json(args.ready, {"port": s.port, "model_id": s.model_id, "total_size": m.total_size})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -111,11 +116,44 @@ def cmd_seed(args) -> int:
     return 0
 
 
+def load_key(directory: str | None):
+    """The fleet key in ``directory``, or None when links stay unencrypted."""
+    from .keys import load
+
+    return load(directory) if directory else None
+
+
+def join_command(args, port: int, model_id: str, key) -> str:
+    """The exact ``p2pw join`` line a peer runs to join this seeder (model pinned, key if any)."""
+    import shlex
+
+    from .api import local_ip_towards, parse_addr
+
+    if args.advertise:
+        host, p = parse_addr(args.advertise, port)
+    else:
+        host, p = (args.host if args.host not in ("0.0.0.0", "", "::") else local_ip_towards("192.0.2.1")), port
+    argv = ["p2pw", "join", "--parent", f"{host}:{p}", "--model-id", model_id]
+    if key is not None:
+        argv += ["--key", key.dir]
+    return shlex.join(argv)
+
+
+def cmd_keygen(args) -> int:
+    from .keys import keygen
+
+    key = keygen(args.dir)
+    print(f"p2pw: wrote the fleet key pair to {key.dir} (fleet.key public, fleet.key_secret secret): "
+          f"copy the directory to every host and pass --key {key.dir} to p2pw seed and p2pw join")
+    return 0
+
+
 def cmd_join(args) -> int:
     from .api import join
 
     dl = join(args.parent, out=args.out, port=args.port, host=args.host, advertise=args.advertise,
-              model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device)
+              model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device,
+              key=load_key(args.key))
     bar = None if args.quiet else ProgressBar(dl)
     try:
         dl.wait()
@@ -206,7 +244,7 @@ def cmd_simulate(args, rest) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .manifest import DEFAULT_CHUNK_SIZE
+    from .manifest import DEFAULT_CHUNK_SIZE, HASH_NAMES
 
     ap = argparse.ArgumentParser(prog="p2pw", description="Broadcast model weights to many hosts over a peer tree.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every peer event")
@@ -223,6 +261,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--exit-after", type=int, default=0, metavar="N", help="exit once N peers are done and gone")
     s.add_argument("--ready", help="write {port, model_id} as JSON to this file once serving")
     s.add_argument("--report", help="write a JSON report to this file on exit")
+    s.add_argument("--key", metavar="DIR", help="fleet key directory (p2pw keygen): encrypt and authenticate links")
+    s.add_argument("--hash", default="xxh3_64", choices=HASH_NAMES,
+                   help="chunk hash: xxh3_64 (default, fast, catches corruption) or a cryptographic one "
+                        "(sha256, blake2b, blake3) that also stops a peer forging chunks")
+    s.add_argument("--max-peers", type=int, default=10_000, help="refuse joiners beyond this many peers")
     s.set_defaults(func=cmd_seed)
 
     j = sub.add_parser("join", help="attach this host to a broadcast and download the checkpoint")
@@ -231,7 +274,8 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--port", type=int, default=0, help="port to serve children on (default: any free one)")
     j.add_argument("--host", default="0.0.0.0")
     j.add_argument("--advertise", help="address other peers should use to reach this host")
-    j.add_argument("--model-id", help="accept only this model (a prefix of the id is enough)")
+    j.add_argument("--model-id", help="accept only this model (its id, or at least the first 16 hex digits)")
+    j.add_argument("--key", metavar="DIR", help="fleet key directory (p2pw keygen), as given to p2pw seed")
     j.add_argument("--stay", action="store_true", help="keep serving after the download completes")
     j.add_argument("--window", type=int, default=8)
     j.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep trying the parent")
@@ -246,6 +290,10 @@ def parser() -> argparse.ArgumentParser:
     pk.add_argument("-o", "--output", required=True, help="packed directory (with --unpack: a .safetensors file)")
     pk.add_argument("--unpack", action="store_true", help="write a packed checkpoint back as one safetensors file")
     pk.set_defaults(func=cmd_pack)
+
+    kg = sub.add_parser("keygen", help="write a new fleet key pair for encrypted, authenticated links")
+    kg.add_argument("dir", help="directory to create (holds fleet.key and fleet.key_secret)")
+    kg.set_defaults(func=cmd_keygen)
 
     m = sub.add_parser("manifest", help="print (or write) the manifest of a checkpoint")
     m.add_argument("path")
@@ -275,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     from .api import P2PError
     from .cache import CacheError
     from .formats import FormatError
+    from .keys import KeyFileError
     from .manifest import ManifestError
     from .source import SourceError
 
@@ -287,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s p2pw %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         return args.func(args, rest) if args.command == "simulate" else args.func(args)
-    except (P2PError, FormatError, ManifestError, SourceError, CacheError, ValueError, OSError) as e:
+    except (P2PError, FormatError, KeyFileError, ManifestError, SourceError, CacheError, ValueError, OSError) as e:
         msg = str(e) if not isinstance(e, OSError) or not e.strerror else f"{e.strerror}: {e.filename or ''}"
         print(f"p2pw: error: {msg}", file=sys.stderr)
         return 1

@@ -17,6 +17,11 @@ import xxhash
 VERSION = 1
 DEFAULT_CHUNK_SIZE = 4 << 20  # measured: see README "Choosing the chunk size"
 HASHES = {"xxh3_64": lambda b: xxhash.xxh3_64_hexdigest(b)}
+STRONG_HASHES = ("sha256", "blake2b", "blake3")  # collision-resistant: stop a peer that forges chunks on purpose
+HASH_NAMES = ("xxh3_64", *STRONG_HASHES)
+MAX_CHUNK_SIZE = 256 << 20  # a joiner refuses larger chunks (one chunk is one message and one buffer)
+MAX_MANIFEST_BYTES = 256 << 20  # largest manifest a joiner accepts (about 1M chunks with tensor index)
+MIN_MODEL_ID = 16  # hex digits of a pinned model id (64 bits); fewer pins next to nothing
 
 
 class ManifestError(ValueError):
@@ -29,7 +34,22 @@ def chunk_hasher(name: str):
         return HASHES[name]
     if name in ("sha256", "blake2b"):
         return lambda b: hashlib.new(name, b).hexdigest()
-    raise ManifestError(f"unknown chunk hash {name!r}")
+    if name == "blake3":
+        try:
+            from blake3 import blake3
+        except ImportError:
+            raise ManifestError("chunk hash blake3 needs the blake3 package (pip install blake3)") from None
+        return lambda b: blake3(b, max_threads=blake3.AUTO).hexdigest()
+    raise ManifestError(f"unknown chunk hash {name!r} (known: {', '.join(HASH_NAMES)})")
+
+
+def check_model_id(text: str) -> str:
+    """A pinned model id (the full id or a prefix of at least MIN_MODEL_ID hex digits), lower-cased."""
+    text = text.strip().lower()
+    if len(text) < MIN_MODEL_ID or len(text) > 64 or any(c not in "0123456789abcdef" for c in text):
+        raise ManifestError(f"bad model id {text!r}: give the id p2pw seed printed "
+                            f"(64 hex digits, or at least its first {MIN_MODEL_ID})")
+    return text
 
 
 @dataclass
@@ -101,6 +121,8 @@ class Manifest:
         chunk_hasher(m.hash)
         if m.chunk_size <= 0 or m.total_size < 0:
             raise ManifestError("manifest has a non-positive chunk size or negative total size")
+        if m.chunk_size > MAX_CHUNK_SIZE:
+            raise ManifestError(f"manifest chunk size {m.chunk_size} exceeds the {MAX_CHUNK_SIZE >> 20} MiB limit")
         if len(m.chunks) != -(-m.total_size // m.chunk_size):
             raise ManifestError(
                 f"manifest lists {len(m.chunks)} chunk hashes but {m.total_size} bytes need "

@@ -23,15 +23,18 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import faults, protocol
+from . import faults, forgery, keys, protocol
 from .manifest import chunk_hasher
 from .protocol import CLIENT_TRANSITIONS, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
+from .tracker import TrackerError
 
 log = logging.getLogger("p2pw")
 
 DEFAULT_WINDOW = 8
 MAX_WINDOW = 64  # most requests a child may have parked at a parent
 MAX_BAD_MESSAGES = 32  # malformed messages before a connection is ignored
+MAX_CHILDREN = 64  # children one parent serves at once; more are refused at ATTACH
+MAX_NAME = 256  # longest peer id or listen address a HELLO may carry
 LEAVE_POLL = 0.2
 ROUTER_MAX_MSG = 1 << 20
 
@@ -80,8 +83,12 @@ class Node:
     """Serves its store to children; a peer node also pulls from its parents and reports to the tracker."""
 
     def __init__(self, ctx: zmq.Context, router: zmq.Socket, manifest, store, *, peer_id: str,
-                 tracker=None, window: int = DEFAULT_WINDOW, attach_timeout: float = 30.0):
+                 tracker=None, window: int = DEFAULT_WINDOW, attach_timeout: float = 30.0,
+                 key: keys.FleetKey | None = None, max_children: int = MAX_CHILDREN):
         self.ctx = ctx
+        self.key = key  # CURVE on every link this node opens (keys.py)
+        self.max_children = max_children
+        self.forge = forgery.from_env()  # test-only fault injection, None unless P2PW_FAULT_FORGE is set
         self.router = router
         self.manifest = manifest
         self.model_id = manifest.model_id
@@ -128,6 +135,7 @@ class Node:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max(self.manifest.chunk_size, protocol.MAX_CONTROL_BODY) + 4096)
         sock.setsockopt(zmq.RCVHWM, 4 * MAX_WINDOW)
+        keys.secure_client(sock, self.key)
         sock.connect(tcp(addr))
         todo = deque(i for i in range(stripe, self.manifest.n_chunks, stripes) if not self.store.has(i))
         up = Upstream(stripe, addr, rank, sock, Connection(CLIENT_TRANSITIONS, "attaching"), todo)
@@ -367,6 +375,8 @@ class Node:
 
     def _send_chunk(self, ident: bytes, index: int) -> None:
         data = self.store.chunk(index)
+        if self.forge is not None:
+            data = self.forge.outgoing(index, data)
         if self.faults is not None:
             data = self.faults.outgoing(data)
             if data is None:
@@ -374,9 +384,11 @@ class Node:
         if self._send(ident, protocol.chunk_header(index), data, copy=False):
             self.stats.chunks_sent += 1
             self.stats.bytes_sent += len(data)
-        elif ident in self.children:  # its queue is full (a child asking for more than it reads): retry later
+        elif ident in self.children and self.children[ident].parked < MAX_WINDOW:  # queue full: retry later
             self.parked[index].append(ident)
             self.children[ident].parked += 1
+        elif ident in self.children:  # it asks far beyond any credit window and does not read: drop, not hoard
+            self.stats.malformed += 1
 
     def _on_hello(self, ident: bytes, event) -> None:
         f = event.fields
@@ -390,7 +402,14 @@ class Node:
                 Msg.ERROR, message=f"model id mismatch: you want {want}, this seeder serves {self.model_id}", fatal=True))
             self.conns.pop(ident, None)
             return
-        member = self.tracker.join(f["peer_id"], f["listen"])
+        if len(f["peer_id"]) > MAX_NAME or len(f["listen"]) > MAX_NAME:
+            raise ProtocolError(f"HELLO peer_id or listen address longer than {MAX_NAME} characters")
+        try:
+            member = self.tracker.join(f["peer_id"], f["listen"])
+        except TrackerError as e:
+            self._send(ident, protocol.control(Msg.ERROR, message=str(e), fatal=True))
+            self.conns.pop(ident, None)
+            return
         self.members[ident] = member.rank
         log.info("peer %s joined as rank %d under %s", f["peer_id"], member.rank,
                  ", ".join(f"rank {p}" for p in member.parents))
@@ -405,7 +424,12 @@ class Node:
             self._send(ident, protocol.control(Msg.ERROR, message="model id mismatch", fatal=True))
             self.conns.pop(ident, None)
             return
-        self.children[ident] = Child(f["peer_id"], f["rank"])
+        if ident not in self.children and len(self.children) >= self.max_children:
+            self._send(ident, protocol.control(
+                Msg.ERROR, message=f"parent serves its maximum of {self.max_children} children", fatal=True))
+            self.conns.pop(ident, None)
+            return
+        self.children[ident] = Child(f["peer_id"][:MAX_NAME], f["rank"])
         self._send(ident, protocol.control(Msg.ATTACHED))
 
     def _on_request(self, ident: bytes, event) -> None:
@@ -413,6 +437,8 @@ class Node:
         if child is None:
             raise ProtocolError("REQUEST from a connection that is not attached")
         n = self.manifest.n_chunks
+        if len(set(event.indices)) != len(event.indices):
+            raise ProtocolError("REQUEST names a chunk twice")
         for index in event.indices:
             if index >= n:
                 raise ProtocolError(f"requested chunk {index}, but the blob has {n}")
@@ -456,9 +482,10 @@ class Node:
     }
 
 
-def bind_router(ctx: zmq.Context, host: str, port: int) -> tuple[zmq.Socket, int]:
-    """A ROUTER bound on host:port (port 0 picks a free one); returns it and its port."""
+def bind_router(ctx: zmq.Context, host: str, port: int, key: keys.FleetKey | None = None) -> tuple[zmq.Socket, int]:
+    """A ROUTER bound on host:port (port 0 picks a free one), CURVE-secured with ``key``; returns it and its port."""
     sock = ctx.socket(zmq.ROUTER)
+    keys.secure_server(sock, key)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)

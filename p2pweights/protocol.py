@@ -134,7 +134,7 @@ def decode_header(frame: bytes) -> Event:
         raise ProtocolError(f"{kind.name} body of {len(body)} bytes exceeds {MAX_CONTROL_BODY}")
     try:
         fields = json.loads(bytes(body)) if body else {}
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: "[[[[..." (found by fuzzing)
         raise ProtocolError(f"{kind.name} body is not JSON") from None
     if not isinstance(fields, dict):
         raise ProtocolError(f"{kind.name} body is not a JSON object")

@@ -1,0 +1,87 @@
+"""Fuzzing the sans-IO protocol: whatever a peer sends, decoding and the state machines raise ProtocolError or succeed.
+
+Bounded (a few hundred cases each, no deadline) so it runs in CI in seconds;
+a crash hypothesis finds becomes a regression test below.
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2pweights import protocol
+from p2pweights.protocol import (CLIENT_TRANSITIONS, HEADER, MAGIC, PROTOCOL_VERSION, SERVER_TRANSITIONS, Connection,
+                                 Event, Msg, ProtocolError)
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+kinds = st.integers(0, 255)
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                        max_size=4),
+                           max_leaves=20)
+
+
+def header(kind: int, version: int = PROTOCOL_VERSION) -> bytes:
+    return HEADER.pack(MAGIC, version, kind)
+
+
+def decodes_or_refuses(frames) -> Event | None:
+    try:
+        return protocol.decode(frames)
+    except ProtocolError:
+        return None
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_any_bytes(frame):
+    decodes_or_refuses([frame])
+
+
+@FUZZ
+@given(kinds, st.binary(max_size=2000), st.lists(st.binary(max_size=64), max_size=3))
+def test_valid_header_any_body(kind, body, payload):
+    decodes_or_refuses([header(kind) + body, *payload])
+
+
+@FUZZ
+@given(st.sampled_from(list(Msg)), st.dictionaries(st.sampled_from(["peer_id", "listen", "rank", "parents",
+                                                                    "stripes", "tracker", "message", "model_id"])
+                                                   | st.text(max_size=8), json_values, max_size=6))
+def test_json_bodies(kind, fields):
+    event = decodes_or_refuses([header(kind) + json.dumps(fields).encode(), b"x"])
+    if event is not None and event.type in protocol.SCHEMA:  # what passes has every required field, well typed
+        for name, typ in protocol.SCHEMA[event.type].items():
+            assert isinstance(event.fields[name], typ)
+
+
+@FUZZ
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=300))
+def test_request_indices(indices):
+    event = decodes_or_refuses([header(Msg.REQUEST) + struct.pack(f"<{len(indices)}I", *indices)])
+    assert (event is not None) == (1 <= len(indices) <= protocol.MAX_REQUEST)
+    if event is not None:
+        assert event.indices == indices
+
+
+@FUZZ
+@given(st.sampled_from([SERVER_TRANSITIONS, CLIENT_TRANSITIONS]),
+       st.lists(st.sampled_from(list(Msg)), max_size=20))
+def test_state_machines(table, kinds_seen):
+    states = {s for s, _ in table} | set(table.values())
+    conn = Connection(table, "new" if table is SERVER_TRANSITIONS else "hello")
+    for kind in kinds_seen:
+        try:
+            conn.receive(Event(kind))
+        except ProtocolError as e:
+            assert kind.name in str(e) and conn.state in str(e)  # names the state and the message
+        assert conn.state in states
+
+
+@pytest.mark.parametrize("body", [b"[" * 50_000, b'{"a":' * 20_000, b"1e99999", b"9" * 5000, b'"\\ud800"'])
+def test_regressions(body):
+    """Found by fuzzing: deep nesting raised RecursionError, not ProtocolError."""
+    decodes_or_refuses([header(Msg.HELLO) + body])
