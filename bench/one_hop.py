@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One hop on loopback: p2pw seeder -> one peer, against raw pyzmq PUSH/PULL of the same bytes, same run.
 
-    python bench/one_hop.py [--size 1GiB] [--chunk-size 4MiB] [--repeat 3] [--disk]
+    python bench/one_hop.py [--size 1GiB] [--chunk-size 4MiB] [--repeat 3] [--disk] [--curve] [--hash sha256,blake3]
 
 The raw baseline is the best a pyzmq program can do on this hop: a sender
 process pushes the blob in chunk-sized zero-copy frames from memory, a receiver
@@ -10,6 +10,9 @@ process receives each frame straight into a preallocated, pre-touched buffer
 ``p2pw join`` in another, timed from the join call until every chunk is
 verified (handshake, manifest, buffer allocation, hashing all included).
 Runs alternate so both see the same machine.  Prints the median ratio.
+``--curve`` adds a run with every link CURVE-encrypted (a fresh fleet key);
+``--hash`` adds a run per chunk hash named (the seeder's manifest, verified by
+the peer), so each option's cost is a ratio against the same baseline.
 """
 from __future__ import annotations
 
@@ -72,11 +75,11 @@ def run_raw(path: str, total: int, chunk: int, port: int) -> float:
     return json.loads(out)["seconds"]
 
 
-def run_p2pw(path: str, chunk: int, port: int, out_dir: str | None, extra: list[str]) -> dict:
+def run_p2pw(path: str, chunk: int, port: int, out_dir: str | None, extra: list[str], seed_only=()) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ready, report = os.path.join(tmp, "ready"), os.path.join(tmp, "peer.json")
         seeder = subprocess.Popen([sys.executable, "-m", "p2pweights", "seed", path, "--host", "127.0.0.1",
-                                   "--port", str(port), "--chunk-size", str(chunk), "--ready", ready, *extra],
+                                   "--port", str(port), "--chunk-size", str(chunk), "--ready", ready, *extra, *seed_only],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
         try:
             while not os.path.exists(ready):
@@ -101,6 +104,8 @@ def main() -> int:
     ap.add_argument("--chunk-size", type=size, default=4 << 20)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--disk", action="store_true", help="also time p2pw writing the copy to disk")
+    ap.add_argument("--curve", action="store_true", help="also time p2pw with CURVE on every link")
+    ap.add_argument("--hash", default="", help="also time p2pw with these chunk hashes (comma-separated)")
     ap.add_argument("--port", type=int, default=17420)
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--blob", help=argparse.SUPPRESS)
@@ -120,22 +125,31 @@ def main() -> int:
                 n = min(left, 64 << 20)
                 f.write(os.urandom(n))
                 left -= n
-        rows = {"raw pyzmq": [], "p2pw": []}
+        variants = {"p2pw": ([], [])}  # row name -> (arguments for seed and join, for seed only)
+        if args.curve:
+            key = os.path.join(tmp, "key")
+            subprocess.run([sys.executable, "-m", "p2pweights", "keygen", key], check=True, cwd=ROOT,
+                           stdout=subprocess.DEVNULL)
+            variants["p2pw curve"] = (["--key", key], [])
+        for name in filter(None, args.hash.split(",")):
+            variants[f"p2pw {name}"] = ([], ["--hash", name])
+        rows = {"raw pyzmq": [], **{name: [] for name in variants}}
         if args.disk:
             rows["p2pw --out"] = []
         for r in range(args.repeat):
             rows["raw pyzmq"].append(run_raw(blob, args.size, args.chunk_size, args.port))
-            rows["p2pw"].append(run_p2pw(blob, args.chunk_size, args.port + 1, None, [])["seconds"])
+            for name, (extra, seed_only) in variants.items():
+                rows[name].append(run_p2pw(blob, args.chunk_size, args.port + 1, None, extra, seed_only)["seconds"])
             if args.disk:
                 out = os.path.join(tmp, f"copy{r}")
                 rows["p2pw --out"].append(run_p2pw(blob, args.chunk_size, args.port + 1, out, [])["seconds"])
         base = statistics.median(rows["raw pyzmq"])
         print(f"one hop on loopback, {args.size / 2**30:.2f} GiB in {args.chunk_size >> 20} MiB chunks, "
               f"median of {args.repeat}")
-        print(f"{'path':<14}{'seconds':>9}{'GB/s':>8}{'ratio':>8}")
+        print(f"{'path':<16}{'seconds':>9}{'GB/s':>8}{'ratio':>8}")
         for name, secs in rows.items():
             med = statistics.median(secs)
-            print(f"{name:<14}{med:>9.3f}{args.size / med / 1e9:>8.2f}{base / med:>8.2f}")
+            print(f"{name:<16}{med:>9.3f}{args.size / med / 1e9:>8.2f}{base / med:>8.2f}")
     return 0
 
 
