@@ -7,6 +7,7 @@ never hidden: a failed download raises ``P2PError`` from every wait.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -14,14 +15,17 @@ import uuid
 
 import zmq
 
-from . import keys, protocol
+from . import catalog, keys, protocol
 from .cache import DiskCache
 from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, ManifestError, build, check_model_id
-from .node import DEFAULT_WINDOW, Node, bind_router, tcp
+from .node import DEFAULT_WINDOW, PARENT_TIMEOUT, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
 from .store import Store, StoreClosed, host_buffer
+from .source import BlobSource
 from .topology import make as make_topology
 from .tracker import Tracker
+
+log = logging.getLogger("p2pw")
 
 DEFAULT_PORT = 7420
 MAX_REDIRECTS = 4
@@ -65,12 +69,19 @@ class Seeder:
         self.key = key
         self.topology = make_topology(topology)
         t0 = time.monotonic()
-        self.manifest, self.bytes_read, buffer = build(path, chunk_size, hash, into=host_buffer)
+        self.source = None
+        known = catalog.lookup(path, chunk_size, hash)
+        if known is not None:  # hashed before (a restart): serve now, read chunks as peers ask for them
+            self.manifest, self.scanned = known, 0
+            self.store = Store(known)
+            self.source = BlobSource(path, known.files)
+        else:
+            self.manifest, self.scanned, buffer = build(path, chunk_size, hash, into=host_buffer)
+            catalog.remember(path, self.manifest)
+            self.store = Store(self.manifest, buffer)
+            self.store.have[:] = True
+            self.store.count = self.manifest.n_chunks
         self.scan_seconds = time.monotonic() - t0
-        self.store = Store(self.manifest, buffer)
-        for i in range(self.manifest.n_chunks):
-            self.store.have[i] = True
-        self.store.count = self.manifest.n_chunks
         self.ctx = zmq.Context()
         self.gate = keys.gate(self.ctx, key)  # ZAP allow-list, before any keyed socket exists
         try:
@@ -82,11 +93,17 @@ class Seeder:
         self.tracker = Tracker(self.topology, advertise or "", max_peers=max_peers)
         self.node = Node(self.ctx, router, self.manifest, self.store, peer_id="seeder", tracker=self.tracker,
                          window=window, key=key)
+        self.node.source = self.source
         self.node.start()
 
     @property
     def model_id(self) -> str:
         return self.manifest.model_id
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from storage: the scan, or (restarted from the catalog) what peers asked for."""
+        return self.scanned + (self.source.bytes_read if self.source is not None else 0)
 
     @property
     def stats(self):
@@ -280,25 +297,26 @@ def _handshake(ctx, addr: str, hello: dict, model_id: str | None, timeout: float
 def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0.0.0",
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
          connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
-         key: keys.FleetKey | None = None) -> Download:
+         key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT) -> Download:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.
     ``out``: write the checkpoint's files there.  ``model_id``: refuse any
     other checkpoint.  ``connect_timeout``: how long to keep trying a parent
-    that is not up yet.  ``device`` ('cpu', 'cuda:N'): stream verified chunks
+    that is not up yet.  ``parent_timeout``: a parent silent this long is
+    given up for another (the tracker names it).  ``device`` ('cpu', 'cuda:N'): stream verified chunks
     into one buffer there, for ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.
     ``key`` (``keys.load(DIR)``): CURVE-encrypt and authenticate every link.
     """
     started = time.monotonic()
+    if device is not None:
+        from .device import Loader, parse_device  # imports torch: only when a device is asked for
+        parse_device(device)
     if model_id is not None:
         try:
             model_id = check_model_id(model_id)
         except ManifestError as e:
             raise P2PError(str(e)) from None
-    if device is not None:
-        from .device import Loader, parse_device  # imports torch: only when a device is asked for
-        parse_device(device)
     p_host, p_port = parse_addr(parent)
     parent = f"{p_host}:{p_port}"
     ctx = zmq.Context()
@@ -322,7 +340,9 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         ctx.destroy(0)
         raise
     node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window, attach_timeout=connect_timeout,
-                key=key)
+                key=key, parent_timeout=parent_timeout)
+    node.hello_fields = hello
+    recovered = cache.recover(store) if cache is not None else []
     node.attach_tracker(link, tracker_addr, welcome["rank"])
     for p in welcome["parents"]:
         node.add_parent(p["stripe"], welcome["stripes"], p["addr"] or tracker_addr, p["rank"])
@@ -339,6 +359,12 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
             gate and gate.stop()
             ctx.destroy(0)
             raise
+    for index in recovered:  # chunks an earlier run left on disk: verified again, never fetched again
+        store.verified(index)
+    node.stats.resumed = len(recovered)
+    if recovered:
+        log.warning("resumed from %s: %d of %d chunks on disk verified; fetching the rest",
+                    out, len(recovered), manifest.n_chunks)
     node.start()
     dl = Download(node, store, cache, welcome, started, hello["listen"])
     dl.loader = loader

@@ -7,6 +7,12 @@ and only when every chunk is on disk are the files fsynced and renamed to their
 final names.  A file under its final name is therefore always complete.
 A write error (disk full, say) fails the download with a clear message; nothing
 is presented as complete.
+
+Restarts: a peer started again with the same ``out`` re-verifies what is on
+disk (partial files, or complete ones from an earlier run) by hashing every
+chunk against the manifest, adopts the chunks that match, and fetches only
+the rest.  We re-hash rather than trust a sidecar bitfield: xxh3 reads at
+disk speed, and a sidecar cannot vouch for bytes changed behind its back.
 """
 from __future__ import annotations
 
@@ -14,7 +20,9 @@ import os
 import queue
 import threading
 
-from .manifest import file_segments
+import numpy as np
+
+from .manifest import chunk_hasher, file_segments
 
 PARTIAL = ".partial"
 
@@ -35,10 +43,15 @@ class DiskCache:
         self.error: str | None = None
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.finished = threading.Event()
+        self.on_disk = np.zeros(manifest.n_chunks, dtype=bool)
+        self.resuming = False
         try:
             for f in manifest.files:
                 path = self._path(f["name"]) + PARTIAL
                 os.makedirs(os.path.dirname(path), exist_ok=True)
+                if os.path.exists(path[: -len(PARTIAL)]) and not os.path.exists(path):
+                    os.replace(path[: -len(PARTIAL)], path)  # complete from an earlier run: re-verify it
+                self.resuming |= os.path.exists(path) and os.path.getsize(path) > 0
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
                 os.ftruncate(fd, f["size"])
                 self.fds[f["name"]] = fd
@@ -54,6 +67,22 @@ class DiskCache:
             raise CacheError(f"file name {name!r} in the manifest escapes the output directory")
         return path
 
+    def recover(self, store) -> list[int]:
+        """Read what an earlier run left on disk into ``store``'s buffer; the chunks whose hash matches."""
+        if not self.resuming:
+            return []
+        digest = chunk_hasher(self.manifest.hash)
+        found = []
+        for index in range(self.manifest.n_chunks):
+            lo, hi = self.manifest.chunk_span(index)
+            view = store.chunk(index)
+            for f, off, a, b in file_segments(self.manifest.files, lo, hi):
+                os.preadv(self.fds[f["name"]], [view[a - lo: b - lo]], off)
+            if digest(view) == self.manifest.chunks[index]:
+                self.on_disk[index] = True
+                found.append(index)
+        return found
+
     def put(self, index: int, data: memoryview) -> None:
         """Queue verified chunk ``index`` (its bytes must not change) for writing."""
         self.queue.put((index, data))
@@ -65,6 +94,9 @@ class DiskCache:
             if item is None:
                 return
             index, data = item
+            if self.on_disk[index]:  # recovered from an earlier run: already there
+                remaining -= 1
+                continue
             lo, hi = self.manifest.chunk_span(index)
             try:
                 for f, off, a, b in file_segments(self.manifest.files, lo, hi):

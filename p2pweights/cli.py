@@ -81,12 +81,15 @@ def cmd_seed(args) -> int:
     from .api import seed
 
     key = load_key(args.key)
+    if args.topology.strip().lower() == "auto" and args.expect:
+        args.topology = f"auto:{args.expect}"
     s = seed(args.path, port=args.port, host=args.host, chunk_size=args.chunk_size, topology=args.topology,
              advertise=args.advertise, window=args.window, hash=args.hash, key=key, max_peers=args.max_peers)
     m = s.manifest
     print(f"p2pw: serving {args.path}: {human(m.total_size)} in {m.n_chunks} chunks of {human(m.chunk_size)}, "
-          f"{len(m.files)} files, {len(m.tensors)} tensors (read {human(s.bytes_read)} from storage "
-          f"in {s.scan_seconds:.2f} s)", flush=True)
+          f"{len(m.files)} files, {len(m.tensors)} tensors " + (
+              "(manifest from the catalog: reading chunks from storage as peers ask)" if s.source is not None
+              else f"(read {human(s.bytes_read)} from storage in {s.scan_seconds:.2f} s)"), flush=True)
     print(f"p2pw: model id {s.model_id}")
     if key is None:
         print("p2pw: WARNING: links are NOT encrypted or authenticated: anyone who can reach this port can fetch "
@@ -153,6 +156,7 @@ def cmd_join(args) -> int:
 
     dl = join(args.parent, out=args.out, port=args.port, host=args.host, advertise=args.advertise,
               model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device,
+              parent_timeout=args.parent_timeout,
               key=load_key(args.key))
     bar = None if args.quiet else ProgressBar(dl)
     try:
@@ -172,7 +176,13 @@ def cmd_join(args) -> int:
         print(format_report(dl.stage_report()), flush=True)
     write_json(args.report, {"rank": dl.rank, "parents": [x["rank"] for x in dl.parents], "seconds": secs,
                              "bytes": p["total"], "refetched": st.refetched, "bad_chunks": st.bad_chunks,
-                             "bytes_sent": st.bytes_sent, "model_id": dl.model_id, "listen": dl.listen})
+                             "bytes_sent": st.bytes_sent, "model_id": dl.model_id, "listen": dl.listen,
+                             "resumed": st.resumed, "received": st.chunks_received, "stalled": st.stalled,
+                             "reparented": st.reparented,
+                             # wall clock (epoch s) of join() and of the last verified chunk, for benchmarks
+                             # that compare peers in separate processes against one common start
+                             "started_at": time.time() - (time.monotonic() - dl.started),
+                             "done_at": time.time() - (time.monotonic() - dl.started) + secs})
     if args.stay:
         print("p2pw: staying to serve others (Ctrl-C to stop)", flush=True)
         stop = threading.Event()
@@ -256,7 +266,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--advertise", help="address peers should use to reach this host (default: the one they used)")
     s.add_argument("--chunk-size", type=size, default=DEFAULT_CHUNK_SIZE)
-    s.add_argument("--topology", default="binomial", help="binomial (default), chain, kary:K, striped:K, auto")
+    s.add_argument("--topology", default="binomial",
+                   help="binomial (default), chain, star, kary:K, striped:K, auto (picks from --expect)")
+    s.add_argument("--expect", type=int, metavar="N", help="peers expected (how --topology auto chooses; default 16)")
     s.add_argument("--window", type=int, default=8, help="credit window: requests a child keeps outstanding")
     s.add_argument("--exit-after", type=int, default=0, metavar="N", help="exit once N peers are done and gone")
     s.add_argument("--ready", help="write {port, model_id} as JSON to this file once serving")
@@ -279,6 +291,8 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--stay", action="store_true", help="keep serving after the download completes")
     j.add_argument("--window", type=int, default=8)
     j.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep trying the parent")
+    j.add_argument("--parent-timeout", type=float, default=5.0,
+                   help="seconds of silence after which a parent is given up for another")
     j.add_argument("--report", help="write a JSON summary to this file")
     j.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     j.add_argument("--device", help="stream chunks into one buffer on this torch device (cpu, cuda:N) "

@@ -36,6 +36,12 @@ MAX_BAD_MESSAGES = 32  # malformed messages before a connection is ignored
 MAX_CHILDREN = 64  # children one parent serves at once; more are refused at ATTACH
 MAX_NAME = 256  # longest peer id or listen address a HELLO may carry
 LEAVE_POLL = 0.2
+HEARTBEAT_INTERVAL = 0.5  # parents -> children, peers <-> tracker
+PARENT_TIMEOUT = 5.0  # a parent silent this long is given up for another (configurable)
+TRACKER_TIMEOUT = 10.0  # a tracker silent this long is re-introduced to (it may have restarted)
+MAX_BAD_FROM_PARENT = 4  # chunks failing verification before a parent is abandoned for another
+STALL_MIN = 2.0  # floor of the stall bound for one outstanding request, seconds
+RETRY_INTERVAL = 1.0  # ORPHAN / HELLO resend while waiting for the tracker
 ROUTER_MAX_MSG = 1 << 20
 
 
@@ -50,6 +56,9 @@ class Stats:
     refetched: int = 0
     duplicates: int = 0
     malformed: int = 0
+    stalled: int = 0
+    reparented: int = 0
+    resumed: int = 0
 
 
 @dataclass
@@ -73,6 +82,11 @@ class Upstream:
     todo: deque = field(default_factory=deque)
     outstanding: set = field(default_factory=set)
     attach_sent: float = 0.0
+    last_heard: float = field(default_factory=time.monotonic)
+    sent_at: dict = field(default_factory=dict)  # chunk index -> when we (last) asked for it
+    bad: int = 0
+    lost: str | None = None  # why we gave this parent up, while waiting for the tracker to name another
+    orphan_sent: float = 0.0
 
 
 def tcp(addr: str) -> str:
@@ -84,10 +98,21 @@ class Node:
 
     def __init__(self, ctx: zmq.Context, router: zmq.Socket, manifest, store, *, peer_id: str,
                  tracker=None, window: int = DEFAULT_WINDOW, attach_timeout: float = 30.0,
-                 key: keys.FleetKey | None = None, max_children: int = MAX_CHILDREN):
+                 key: keys.FleetKey | None = None, max_children: int = MAX_CHILDREN,
+                 parent_timeout: float = PARENT_TIMEOUT, tracker_timeout: float = TRACKER_TIMEOUT):
         self.ctx = ctx
         self.key = key  # CURVE on every link this node opens (keys.py)
         self.max_children = max_children
+        self.parent_timeout = parent_timeout
+        self.tracker_timeout = tracker_timeout
+        self.next_heartbeat = 0.0
+        self.tracker_heard = time.monotonic()
+        self.hello_sent = 0.0
+        self.rate = 0.0  # recent verified bytes/s, for the stall bound
+        self.rate_mark = (time.monotonic(), 0)
+        self.member_idents: dict[int, bytes] = {}
+        self.hello_fields: dict = {}
+        self.source = None  # a seeder restarted from the catalog reads chunks from storage on first request
         self.forge = forgery.from_env()  # test-only fault injection, None unless P2PW_FAULT_FORGE is set
         self.router = router
         self.manifest = manifest
@@ -130,7 +155,18 @@ class Node:
         self.poller.register(socket, zmq.POLLIN)
 
     def add_parent(self, stripe: int, stripes: int, addr: str, rank: int) -> None:
-        """Open the link to our parent in ``stripe`` and queue the chunks it will send us."""
+        """Open the link to our parent in ``stripe`` and queue the chunks it will send us.
+
+        If we already had a parent in that stripe it is replaced; the chunks still
+        missing are asked of the new one (resuming from the bitfield)."""
+        self.stripes = stripes
+        old = next((u for u in self.upstreams if u.stripe == stripe), None)
+        if old is not None:
+            self.upstreams.remove(old)
+            if old.lost is None:
+                self.poller.unregister(old.socket)
+                old.socket.close(0)
+            self.stats.reparented += 1
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max(self.manifest.chunk_size, protocol.MAX_CONTROL_BODY) + 4096)
@@ -139,6 +175,7 @@ class Node:
         sock.connect(tcp(addr))
         todo = deque(i for i in range(stripe, self.manifest.n_chunks, stripes) if not self.store.has(i))
         up = Upstream(stripe, addr, rank, sock, Connection(CLIENT_TRANSITIONS, "attaching"), todo)
+        up.stripes = stripes
         self.upstreams.append(up)
         self.poller.register(sock, zmq.POLLIN)
         if todo:
@@ -169,8 +206,9 @@ class Node:
                     elif sock is self.tracker_link:
                         self._drain(sock, self._on_tracker)
                     else:
-                        up = next(u for u in self.upstreams if u.socket is sock)
-                        self._drain(sock, lambda s, up=up: self._on_upstream(up))
+                        up = next((u for u in self.upstreams if u.socket is sock), None)
+                        if up is not None:  # None: replaced by a REPARENT earlier in this poll
+                            self._drain(sock, lambda s, up=up: self._on_upstream(up))
                 self._tick(time.monotonic())
         except Exception as e:  # a bug: fail the download loudly rather than hang its waiters
             log.exception("node loop crashed")
@@ -180,17 +218,21 @@ class Node:
 
     def _drain(self, sock, handler, budget: int = 64) -> None:
         for _ in range(budget):
-            if not sock.poll(0, zmq.POLLIN):
+            if sock.closed or not sock.poll(0, zmq.POLLIN):  # a handler may close it (parent given up)
                 return
             handler(sock)
 
     def _tick(self, now: float) -> None:
-        """Timers: attach timeouts, completion, leaving."""
-        for up in self.upstreams:
-            if up.conn.state == "attaching" and up.todo and now - up.attach_sent > self.attach_timeout:
-                self._fail(f"parent {up.addr} (rank {up.rank}) did not answer within {self.attach_timeout:.0f} s")
+        """Timers: heartbeats, silent parents, stalled requests, completion, leaving."""
+        if now >= self.next_heartbeat:
+            self.next_heartbeat = now + HEARTBEAT_INTERVAL
+            self._heartbeat(now)
+        for up in list(self.upstreams):
+            self._watch_parent(up, now)
         if self.tracker_link is None or self.fatal:
             return
+        if now - self.tracker_heard > self.tracker_timeout and now - self.hello_sent > RETRY_INTERVAL:
+            self._reintroduce(now)
         if self.store.complete and all(ok() for ok in self.extra_done):
             if not self.done_reported:
                 self.done_reported = True
@@ -198,6 +240,79 @@ class Node:
             if self.leave_when_done and now >= self.leave_next:
                 self.leave_next = now + LEAVE_POLL
                 self.tracker_link.send(protocol.control(Msg.LEAVE, rank=self.rank))
+
+    def _heartbeat(self, now: float) -> None:
+        """Tell children and members we live; learn who disconnected; update the recent rate."""
+        beat = protocol.control(Msg.HEARTBEAT)
+        for ident in list(self.children):
+            self._send(ident, beat)
+        if self.tracker is not None:
+            for ident in list(self.members):
+                self._send(ident, beat)
+        if self.tracker_link is not None:
+            self.tracker_link.send(beat, zmq.NOBLOCK)
+        t0, b0 = self.rate_mark
+        if now - t0 >= 1.0:
+            self.rate = (self.store.bytes - b0) / (now - t0)
+            self.rate_mark = (now, self.store.bytes)
+
+    def _watch_parent(self, up: Upstream, now: float) -> None:
+        """Give up a silent parent; re-ask requests that stalled; nag the tracker for a new parent."""
+        if up.lost is not None:
+            if self.tracker_link is not None and now - up.orphan_sent > RETRY_INTERVAL \
+                    and now - self.tracker_heard < self.tracker_timeout:
+                up.orphan_sent = now
+                self.tracker_link.send(protocol.control(Msg.ORPHAN, rank=self.rank, stripe=up.stripe,
+                                                        parent=up.rank, reason=up.lost), zmq.NOBLOCK)
+            return
+        if not (up.todo or up.outstanding):
+            return
+        if now - up.last_heard > self.parent_timeout:
+            if self.tracker_link is None:
+                self._fail(f"parent {up.addr} (rank {up.rank}) did not answer within {self.parent_timeout:.0f} s")
+            else:
+                self._orphan(up, f"silent for {now - up.last_heard:.1f} s")
+            return
+        if up.conn.state != "attached" or not up.outstanding:
+            return
+        bound = max(STALL_MIN, 4 * self.window * self.manifest.chunk_size / max(self.rate, 1.0))
+        stalled = [i for i in up.outstanding if now - up.sent_at.get(i, now) > bound]
+        if stalled:
+            self.stats.stalled += len(stalled)
+            log.warning("re-requesting chunk(s) %s from parent %s: outstanding longer than %.1f s "
+                        "(4 credit windows at the recent rate)", stalled[:8], up.addr, bound)
+            for i in stalled:
+                up.sent_at[i] = now
+            up.socket.send(protocol.request(stalled[:protocol.MAX_REQUEST]))
+
+    def _orphan(self, up: Upstream, reason: str) -> None:
+        """Stop pulling from ``up``'s parent; ask the tracker for another in that stripe."""
+        log.warning("giving up parent %s (rank %d) in stripe %d: %s; asking the tracker for another",
+                    up.addr, up.rank, up.stripe, reason)
+        up.lost = reason
+        up.todo.extendleft(sorted(up.outstanding, reverse=True))
+        up.outstanding.clear()
+        up.orphan_sent = 0.0
+        self.poller.unregister(up.socket)
+        up.socket.close(0)
+
+    def _reintroduce(self, now: float) -> None:
+        """The tracker went quiet (restarted?): HELLO again with our rank and what we hold."""
+        if self.hello_sent == 0.0 or now - self.hello_sent > 5 * RETRY_INTERVAL:
+            log.warning("tracker %s silent for %.0f s: introducing ourselves again", self.tracker_addr,
+                        now - self.tracker_heard)
+        self.hello_sent = now
+        self.tracker_link.send(protocol.control(Msg.HELLO, **self.hello_fields, rank=self.rank,
+                                                have=self.store.count), zmq.NOBLOCK)
+
+    def _new_parents(self, parents: list[dict]) -> None:
+        """The tracker named our parents: switch every stripe whose parent was lost or changed."""
+        for p in parents:
+            up = next((u for u in self.upstreams if u.stripe == p["stripe"]), None)
+            addr = p["addr"] or self.tracker_addr
+            if up is None or up.lost is not None or up.rank != p["rank"] or up.addr != addr:
+                log.warning("stripe %d: new parent rank %d at %s", p["stripe"], p["rank"], addr)
+                self.add_parent(p["stripe"], self.stripes, addr, p["rank"])
 
     def _fail(self, message: str) -> None:
         if self.fatal is None:
@@ -223,6 +338,7 @@ class Node:
 
     def _on_upstream(self, up: Upstream) -> None:
         sock = up.socket
+        up.last_heard = time.monotonic()
         try:
             event = protocol.decode_header(sock.recv(zmq.NOBLOCK))
             if event.type == Msg.CHUNK:
@@ -246,22 +362,30 @@ class Node:
     def _on_upstream_control(self, up: Upstream, event) -> None:
         if event.type == Msg.ATTACHED:
             self._request_more(up)
-        elif event.type == Msg.ERROR:
+        elif event.type == Msg.ERROR and event.fields.get("fatal"):
             self._fail(f"parent {up.addr} refused us: {event.fields.get('message')}")
+        elif event.type == Msg.ERROR:  # it lost our state (restarted?): attach again, ask again
+            log.warning("parent %s: %s; attaching again", up.addr, event.fields.get("message"))
+            up.conn.state = "attaching"
+            up.todo.extendleft(sorted(up.outstanding, reverse=True))
+            up.outstanding.clear()
+            self._attach(up)
 
     def _on_chunk(self, up: Upstream, index: int) -> None:
         """A chunk arrived: verify it in place, then publish and forward it, or drop it."""
         sock = up.socket
+        if index < self.manifest.n_chunks and self.store.has(index):  # e.g. the answer to a stall re-request
+            self._discard_rest(sock)
+            self.stats.duplicates += 1
+            up.outstanding.discard(index)
+            return
         if index >= self.manifest.n_chunks or index not in up.outstanding:
             self._discard_rest(sock)
             self.stats.malformed += 1
             log.warning("parent %s sent chunk %d, which we did not ask it for: dropped", up.addr, index)
             return
         up.outstanding.discard(index)
-        if self.store.has(index):
-            self._discard_rest(sock)
-            self.stats.duplicates += 1
-            return
+        up.sent_at.pop(index, None)
         view = self.store.chunk(index)
         n = sock.recv_into(view)
         self._discard_rest(sock)
@@ -272,8 +396,12 @@ class Node:
             self.stats.bad_chunks += 1
             self.stats.refetched += 1
             up.todo.appendleft(index)
+            up.bad += 1
             log.warning("chunk %d from parent %s failed verification (%d bytes): dropped, fetching it again",
                         index, up.addr, n)
+            if up.bad >= MAX_BAD_FROM_PARENT:
+                self._orphan(up, f"sent {up.bad} chunks that failed verification")
+                return
         else:
             self._publish(index)
         self._request_more(up)
@@ -290,6 +418,21 @@ class Node:
         if want:
             up.outstanding.update(want)
             up.socket.send(protocol.request(want))
+
+    def _read_source(self, index: int) -> None:
+        """Read chunk ``index`` from storage into the store; publish it only if it still matches the manifest."""
+        lo, _ = self.manifest.chunk_span(index)
+        view = self.store.chunk(index)
+        try:
+            self.source.read_into(lo, view)
+        except OSError as e:
+            log.error("cannot read chunk %d from storage: %s; not serving it", index, e)
+            return
+        if self.digest(view) == self.manifest.chunks[index]:
+            self._publish(index)
+        else:
+            log.error("chunk %d no longer matches the manifest: the checkpoint changed under the seeder; "
+                      "not serving it (restart the seeder to rescan)", index)
 
     def _publish(self, index: int) -> None:
         """Chunk ``index`` is verified: make it visible and send it to every child waiting on it."""
@@ -310,11 +453,42 @@ class Node:
             self.stats.malformed += 1
             log.warning("tracker %s sent a bad message: %s", self.tracker_addr, e)
             return
-        if event.type == Msg.LEAVE_OK:
+        self.tracker_heard = time.monotonic()
+        if event.type == Msg.WELCOME:  # a restarted tracker took us back
+            if self.hello_sent:
+                log.warning("tracker %s is back: we are rank %d", self.tracker_addr, event.fields["rank"])
+            self.hello_sent = 0.0
+            self.done_reported = False  # tell the (new) tracker again
+            self.rank = event.fields["rank"]
+            self._on_reparent(event.fields["parents"])
+        elif event.type == Msg.LEAVE_OK:
             self.left.set()
             self.stop_event.set()
-        elif event.type == Msg.ERROR:
+        elif event.type == Msg.REPARENT:
+            self._on_reparent(event.fields["parents"])
+        elif event.type == Msg.ERROR:  # it does not know us (restarted): introduce ourselves at once
             log.warning("tracker: %s", event.fields.get("message"))
+            if time.monotonic() - self.hello_sent > RETRY_INTERVAL:
+                self._reintroduce(time.monotonic())
+
+    def _on_reparent(self, parents: list) -> None:
+        """The tracker moved us: in each stripe whose parent changed (or was lost), pull from the new one.
+
+        The old link is closed; its outstanding requests (and chunks in flight
+        on it) are asked of the new parent, which parks them until it holds them.
+        """
+        clean = []
+        for p in parents:
+            try:
+                clean.append({"stripe": int(p["stripe"]), "rank": int(p["rank"]), "addr": str(p["addr"] or "")})
+            except (KeyError, TypeError, ValueError):
+                self.stats.malformed += 1
+                log.warning("tracker sent a bad REPARENT entry %r: ignored", p)
+                continue
+            if not 0 <= clean[-1]["stripe"] < getattr(self, "stripes", 1):
+                self.stats.malformed += 1
+                log.warning("tracker sent a REPARENT for stripe %d, which does not exist: ignored", clean.pop()["stripe"])
+        self._new_parents(clean)
 
     # ----- router: children, joiners, members ------------------------------
 
@@ -356,6 +530,9 @@ class Node:
             self._forget(ident)
 
     def _forget(self, ident: bytes) -> None:
+        rank = self.members.pop(ident, None)
+        if rank is not None and self.tracker is not None:
+            self._member_gone(rank, "disconnected")
         self.children.pop(ident, None)
         for waiting in self.parked.values():
             while ident in waiting:
@@ -405,18 +582,24 @@ class Node:
         if len(f["peer_id"]) > MAX_NAME or len(f["listen"]) > MAX_NAME:
             raise ProtocolError(f"HELLO peer_id or listen address longer than {MAX_NAME} characters")
         try:
-            member = self.tracker.join(f["peer_id"], f["listen"])
+            old_rank = f.get("rank") if isinstance(f.get("rank"), int) else None
+            member = self.tracker.join(f["peer_id"], f["listen"], rank=old_rank)
         except TrackerError as e:
             self._send(ident, protocol.control(Msg.ERROR, message=str(e), fatal=True))
             self.conns.pop(ident, None)
             return
         self.members[ident] = member.rank
+        self.member_idents[member.rank] = ident
         log.info("peer %s joined as rank %d under %s", f["peer_id"], member.rank,
                  ", ".join(f"rank {p}" for p in member.parents))
         self._send(ident, protocol.control(
             Msg.WELCOME, rank=member.rank, parents=self.tracker.parent_addrs(member),
             stripes=self.tracker.topology.stripes, tracker=self.tracker.root_listen),
             self.manifest.to_json().encode())
+        for moved in self.tracker.adoptions(member):
+            child = next((i for i, r in self.members.items() if r == moved.rank), None)
+            if child is not None:
+                self._send(child, protocol.control(Msg.REPARENT, parents=self.tracker.parent_addrs(moved)))
 
     def _on_attach(self, ident: bytes, event) -> None:
         f = event.fields
@@ -442,8 +625,12 @@ class Node:
         for index in event.indices:
             if index >= n:
                 raise ProtocolError(f"requested chunk {index}, but the blob has {n}")
+            if not self.store.has(index) and self.source is not None:
+                self._read_source(index)
             if self.store.has(index):
                 self._send_chunk(ident, index)
+            elif ident in self.parked.get(index, ()):
+                continue  # asked again (a stall re-request): it is already parked
             elif child.parked < MAX_WINDOW:
                 child.parked += 1
                 self.parked[index].append(ident)
@@ -459,8 +646,41 @@ class Node:
     def _on_bye(self, ident: bytes, event) -> None:
         rank = self.members.pop(ident, None)
         if rank is not None:
-            self.tracker.gone(rank)
-            log.info("peer rank %d left", rank)
+            self._member_gone(rank, "left")
+
+    def _member_gone(self, rank: int, why: str) -> None:
+        """Peer ``rank`` is gone: re-attach its dependents to their nearest live ancestors, and tell them now."""
+        if rank not in self.tracker.members or self.tracker.members[rank].left:
+            return
+        moved = self.tracker.gone(rank)
+        log.info("peer rank %d %s%s", rank, why,
+                 f"; re-attaching {', '.join(f'rank {r}' for r, _ in moved)}" if moved else "")
+        for r, _ in moved:
+            ident = self.member_idents.get(r)
+            if ident is not None and self.members.get(ident) == r:
+                self._send(ident, protocol.control(
+                    Msg.REPARENT, parents=self.tracker.parent_addrs(self.tracker.members[r])))
+
+    def _on_orphan(self, ident: bytes, event) -> None:
+        rank = self.members.get(ident)
+        f = event.fields
+        if rank is None or rank != f["rank"] or rank not in self.tracker.members:
+            raise ProtocolError("ORPHAN from a connection that is not that member")
+        member = self.tracker.members[rank]
+        if not 0 <= f["stripe"] < len(member.parents):
+            raise ProtocolError(f"ORPHAN for stripe {f['stripe']}, which does not exist")
+        dead = f["reason"].startswith("silent")
+        if dead and f["parent"] in self.tracker.members and not self.tracker.members[f["parent"]].left:
+            self._member_gone(f["parent"], f"reported silent by rank {rank}")
+        new = self.tracker.reparent(rank, f["stripe"], f["parent"], dead)
+        log.info("rank %d lost parent rank %d in stripe %d (%s): now under rank %d",
+                 rank, f["parent"], f["stripe"], f["reason"], new)
+        self._send(ident, protocol.control(Msg.REPARENT, parents=self.tracker.parent_addrs(member)))
+
+    def _on_member_heartbeat(self, ident: bytes, event) -> None:
+        rank = self.members.get(ident)
+        if rank is not None and self.tracker is not None:
+            self.tracker.touch(rank)
 
     def _on_leave(self, ident: bytes, event) -> None:
         rank = self.members.get(ident)
@@ -479,6 +699,8 @@ class Node:
         Msg.DONE: _on_done,
         Msg.LEAVE: _on_leave,
         Msg.BYE: _on_bye,
+        Msg.ORPHAN: _on_orphan,
+        Msg.HEARTBEAT: _on_member_heartbeat,
     }
 
 

@@ -58,6 +58,7 @@ class Msg(IntEnum):
     HEARTBEAT = 13  # either way: {}
     REPARENT = 14   # tracker -> peer: {parents}
     BYE = 15        # peer -> tracker: {rank}; it is leaving now, serve nobody from it
+    ORPHAN = 16     # peer -> tracker: {rank, stripe, parent, reason}; give me another parent in that stripe
 
 
 # Required JSON fields of each control message and their types.
@@ -75,6 +76,7 @@ SCHEMA: dict[Msg, dict[str, type | tuple]] = {
     Msg.HEARTBEAT: {},
     Msg.REPARENT: {"parents": list},
     Msg.BYE: {"rank": int},
+    Msg.ORPHAN: {"rank": int, "stripe": int, "parent": int, "reason": str},
 }
 PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1}
 
@@ -168,6 +170,7 @@ SERVER_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("member", Msg.LEAVE): "member",
     ("member", Msg.HEARTBEAT): "member",
     ("member", Msg.BYE): "new",
+    ("member", Msg.ORPHAN): "member",
     ("child", Msg.REQUEST): "child",
     ("child", Msg.HEARTBEAT): "child",
     ("child", Msg.ATTACH): "child",

@@ -28,6 +28,7 @@ class Member:
     done: bool = False
     left: bool = False
     seconds: float | None = None
+    seen: float = field(default_factory=time.monotonic)
 
 
 class TrackerError(ValueError):
@@ -50,22 +51,43 @@ class Tracker:
     def listen_of(self, rank: int) -> str:
         return self.root_listen if rank == ROOT else self.members[rank].listen
 
-    def join(self, peer_id: str, listen: str) -> Member:
-        """Place a joining peer (the same peer_id re-joining keeps its rank)."""
-        rank = self.by_peer_id.get(peer_id)
-        if rank is not None:
-            m = self.members[rank]
+    def join(self, peer_id: str, listen: str, rank: int | None = None) -> Member:
+        """Place a joining peer.  The same peer_id re-joining keeps its rank; so does a peer that
+        re-introduces itself with its old ``rank`` to a restarted tracker, if nobody else holds it."""
+        known = self.by_peer_id.get(peer_id)
+        if known is not None:
+            m = self.members[known]
             m.listen, m.left = listen, False
-            m.parents = self._place(rank)
+            m.parents = self._place(known)
             return m
         if len(self.alive()) >= self.max_peers:
             raise TrackerError(f"tracker is full ({self.max_peers} peers)")
-        rank = len(self.members) + 1
+        if rank is None or rank < 1 or rank in self.members:
+            rank = max(self.members, default=0) + 1
         m = Member(rank, peer_id, listen, [])
         self.members[rank] = m
         self.by_peer_id[peer_id] = rank
         m.parents = self._place(rank)
         return m
+
+    def adoptions(self, member: Member) -> list[Member]:
+        """Move peers under the newcomer ``member`` where the topology says so (``adopts``).
+
+        Updates their parents here and returns them; each must be sent a
+        REPARENT with its new parent list.  Done or departed peers stay put.
+        """
+        adopts = getattr(self.topology, "adopts", None)
+        if adopts is None or member.left:
+            return []
+        moved = []
+        for child, stripe in adopts(member.rank):
+            m = self.members.get(child)
+            if m is None or m.left or m.done or m.parents[stripe] == member.rank:
+                continue
+            m.parents[stripe] = member.rank
+            if m not in moved:
+                moved.append(m)
+        return moved
 
     def _place(self, rank: int) -> list[int]:
         alive = self.alive()
@@ -89,9 +111,44 @@ class Tracker:
             self._member(rank).left = True
         return waiting
 
-    def gone(self, rank: int) -> None:
-        """``rank`` left without asking (closed, or found dead): place nobody under it."""
+    def gone(self, rank: int) -> list[tuple[int, int]]:
+        """``rank`` left without asking (closed, or found dead): place nobody under it.
+
+        Re-attaches its direct dependents to their nearest live ancestor (their own
+        subtrees stay under them) and returns them as (rank, stripe) pairs to notify."""
         self._member(rank).left = True
+        moved = []
+        for m in self.members.values():
+            if m.left:
+                continue
+            for stripe, parent in enumerate(m.parents):
+                if parent == rank:
+                    m.parents[stripe] = self._ancestor(rank, stripe)
+                    moved.append((m.rank, stripe))
+        return moved
+
+    def _ancestor(self, rank: int, stripe: int) -> int:
+        """The nearest live ancestor of ``rank`` in tree ``stripe``."""
+        alive = self.alive()
+        parent = rank
+        while parent != ROOT:
+            parent = self.topology.parents(parent)[stripe]
+            if parent == ROOT or parent in alive:
+                return parent
+        return ROOT
+
+    def reparent(self, rank: int, stripe: int, parent: int, dead: bool) -> int:
+        """``rank`` lost ``parent`` in ``stripe`` (dead, or sending bad chunks): its new parent there."""
+        m = self._member(rank)
+        if dead and parent != ROOT and parent in self.members:
+            self.gone(parent)
+        if m.parents[stripe] == parent:
+            m.parents[stripe] = self._ancestor(parent, stripe) if parent != ROOT else ROOT
+        return m.parents[stripe]
+
+    def touch(self, rank: int) -> None:
+        if rank in self.members:
+            self.members[rank].seen = time.monotonic()
 
     def _member(self, rank: int) -> Member:
         try:

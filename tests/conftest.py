@@ -14,6 +14,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def manifest_catalog(tmp_path_factory):
+    """Seeders started by the tests file their manifests in a throwaway catalog, not the user's."""
+    os.environ["P2PW_CACHE_DIR"] = str(tmp_path_factory.mktemp("p2pw-cache"))
+
+
 def p2pw_argv(*args) -> list[str]:
     return [sys.executable, "-m", "p2pweights", *map(str, args)]
 

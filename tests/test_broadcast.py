@@ -12,6 +12,14 @@ from p2pweights.topology import Binomial
 CHUNK = "64KiB"
 
 
+def ancestors(rank: int) -> list[int]:
+    out = []
+    while rank:
+        rank = Binomial().parents(rank)[0]
+        out.append(rank)
+    return out
+
+
 def broadcast(procs, tmp_path, source, peers: int):
     seeder, info = procs.seeder(source, "--chunk-size", CHUNK, "--exit-after", peers,
                                 "--report", tmp_path / "seed.json")
@@ -33,11 +41,12 @@ def test_directory_to_n_peers(procs, tmp_path, model_dir, peers):
     blob = seed["total_size"]
     assert seed["bytes_read"] == sum(os.path.getsize(model_dir / f) for f in os.listdir(model_dir))
     assert seed["bytes_read"] <= blob
-    # the tree the tracker built is the binomial rule, whatever order the peers joined in
+    # the tree the tracker built follows the binomial rule, whatever order the peers joined in
+    # (a peer whose rule-parent had already finished and left hangs under that parent's nearest ancestor)
     ranks = sorted(r["rank"] for r in reports)
     assert ranks == list(range(1, peers + 1))
     for r in reports:
-        assert r["parents"] == Binomial().parents(r["rank"])
+        assert r["parents"][0] in ancestors(r["rank"]), (r, reports)
         assert seed["peers"][str(r["rank"])]["done"]
     # the seeder sent one copy per child of its own, not one per peer
     seeder_children = sum(1 for r in reports if r["parents"] == [0])
