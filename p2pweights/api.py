@@ -93,7 +93,8 @@ class Seeder:
         self.tracker = Tracker(self.topology, advertise or "", max_peers=max_peers)
         self.node = Node(self.ctx, router, self.manifest, self.store, peer_id="seeder", tracker=self.tracker,
                          window=window, key=key)
-        self.node.source = self.source
+        if self.source is not None:
+            self.node.attach_source(self.source)
         self.node.start()
 
     @property

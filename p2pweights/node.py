@@ -16,6 +16,7 @@ most ``window`` queued references into its store, whatever the child's speed.
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from collections import defaultdict, deque
@@ -43,6 +44,7 @@ MAX_BAD_FROM_PARENT = 4  # chunks failing verification before a parent is abando
 STALL_MIN = 2.0  # floor of the stall bound for one outstanding request, seconds
 RETRY_INTERVAL = 1.0  # ORPHAN / HELLO resend while waiting for the tracker
 ROUTER_MAX_MSG = 1 << 20
+READY = struct.Struct("<I?")  # read-ahead -> loop: chunk index, matched the manifest
 
 
 @dataclass
@@ -112,7 +114,8 @@ class Node:
         self.rate_mark = (time.monotonic(), 0)
         self.member_idents: dict[int, bytes] = {}
         self.hello_fields: dict = {}
-        self.source = None  # a seeder restarted from the catalog reads chunks from storage on first request
+        self.reader = None  # a seeder restarted from the catalog reads chunks from storage as they are asked for
+        self.ready_rx = None
         self.forge = forgery.from_env()  # test-only fault injection, None unless P2PW_FAULT_FORGE is set
         self.router = router
         self.manifest = manifest
@@ -205,6 +208,8 @@ class Node:
                         self._drain(sock, self._on_router)
                     elif sock is self.tracker_link:
                         self._drain(sock, self._on_tracker)
+                    elif sock is self.ready_rx:
+                        self._drain(sock, self._on_source_ready)
                     else:
                         up = next((u for u in self.upstreams if u.socket is sock), None)
                         if up is not None:  # None: replaced by a REPARENT earlier in this poll
@@ -330,6 +335,9 @@ class Node:
                 pass
         for up in self.upstreams:
             up.socket.close(0)
+        if self.reader is not None:
+            self.reader.stop()
+            self.ready_rx.close(0)
         if self.tracker_link is not None:
             self.tracker_link.close(0)
         self.router.close(0)
@@ -419,20 +427,26 @@ class Node:
             up.outstanding.update(want)
             up.socket.send(protocol.request(want))
 
-    def _read_source(self, index: int) -> None:
-        """Read chunk ``index`` from storage into the store; publish it only if it still matches the manifest."""
-        lo, _ = self.manifest.chunk_span(index)
-        view = self.store.chunk(index)
-        try:
-            self.source.read_into(lo, view)
-        except OSError as e:
-            log.error("cannot read chunk %d from storage: %s; not serving it", index, e)
-            return
-        if self.digest(view) == self.manifest.chunks[index]:
+    def attach_source(self, source) -> None:
+        """Serve chunks not yet held by reading them from ``source`` (a seeder restarted from the catalog)."""
+        from .source import ReadAhead
+
+        addr = f"inproc://p2pw-readahead-{id(self)}"
+        self.ready_rx = self.ctx.socket(zmq.PULL)
+        self.ready_rx.bind(addr)
+        tx = self.ctx.socket(zmq.PUSH)  # used (and closed) only by the read-ahead thread from here on
+        tx.setsockopt(zmq.LINGER, 0)
+        tx.connect(addr)
+        self.reader = ReadAhead(source, self.store, lambda i, ok: tx.send(READY.pack(i, ok)), on_exit=tx.close)
+        self.poller.register(self.ready_rx, zmq.POLLIN)
+
+    def _on_source_ready(self, sock) -> None:
+        index, ok = READY.unpack(sock.recv())
+        if ok:
             self._publish(index)
         else:
-            log.error("chunk %d no longer matches the manifest: the checkpoint changed under the seeder; "
-                      "not serving it (restart the seeder to rescan)", index)
+            log.error("chunk %d read from storage does not match the manifest: the checkpoint changed under "
+                      "the seeder (or cannot be read); not serving it (restart the seeder to rescan)", index)
 
     def _publish(self, index: int) -> None:
         """Chunk ``index`` is verified: make it visible and send it to every child waiting on it."""
@@ -625,8 +639,8 @@ class Node:
         for index in event.indices:
             if index >= n:
                 raise ProtocolError(f"requested chunk {index}, but the blob has {n}")
-            if not self.store.has(index) and self.source is not None:
-                self._read_source(index)
+            if not self.store.has(index) and self.reader is not None:
+                self.reader.want(index)
             if self.store.has(index):
                 self._send_chunk(ident, index)
             elif ident in self.parked.get(index, ()):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import bisect
 import os
 
+import numpy as np
+
 
 class SourceError(OSError):
     """The checkpoint's files no longer match their file table (truncated, removed, unreadable)."""
@@ -106,3 +108,57 @@ def verify_copy(root, manifest) -> tuple[int, str | None]:
     finally:
         source.close()
     return manifest.n_chunks, None
+
+
+class ReadAhead:
+    """Reads requested chunks (and the next few after them) from storage in a background thread.
+
+    A seeder restarted from the catalog serves chunks it has not read yet: the
+    node asks ``want(index)``; this thread reads the chunk into the store's
+    buffer, verifies it against the manifest, and reports ``on_ready(index,
+    ok)``, reading ``ahead`` chunks past each request so storage streams
+    while the network sends.  Only chunks the store does not hold are written,
+    and nobody reads a chunk before it is published, so no lock guards the buffer.
+    """
+
+    def __init__(self, source: BlobSource, store, on_ready, ahead: int = 8, on_exit=None):
+        import queue
+        import threading
+
+        from .manifest import chunk_hasher
+
+        self.source, self.store, self.on_ready, self.ahead, self.on_exit = source, store, on_ready, ahead, on_exit
+        self.digest = chunk_hasher(store.manifest.hash)
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.done = np.zeros(store.manifest.n_chunks, dtype=bool)  # read (or tried) by this thread
+        self.thread = threading.Thread(target=self._run, name="p2pw-readahead", daemon=True)
+        self.thread.start()
+
+    def want(self, index: int) -> None:
+        self.requests.put(index)
+
+    def stop(self) -> None:
+        self.requests.put(None)
+
+    def _run(self) -> None:
+        n = self.store.manifest.n_chunks
+        while True:
+            index = self.requests.get()
+            if index is None:
+                if self.on_exit:
+                    self.on_exit()
+                return
+            for i in range(index, min(index + 1 + self.ahead, n)):
+                if not self.done[i] and not self.store.has(i):
+                    self._read(i)
+
+    def _read(self, index: int) -> None:
+        self.done[index] = True
+        lo, _ = self.store.manifest.chunk_span(index)
+        view = self.store.chunk(index)
+        try:
+            self.source.read_into(lo, view)
+            ok = self.digest(view) == self.store.manifest.chunks[index]
+        except OSError:
+            ok = False
+        self.on_ready(index, ok)

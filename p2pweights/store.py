@@ -19,8 +19,7 @@ import numpy as np
 
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
-PREFAULT_SYNC = 64 << 20  # fault in this much before returning; the rest in the background
-PREFAULT_STEP = 64 << 20
+PREFAULT_STEP = 8 << 20  # small steps: a populate call holds the mmap lock, which thread starts need too
 
 
 def host_buffer(size: int):
@@ -47,11 +46,9 @@ def host_buffer(size: int):
     def populate(lo: int, hi: int) -> bool:
         return libc.madvise(ctypes.c_void_p(base + lo), ctypes.c_size_t(hi - lo), MADV_POPULATE_WRITE) == 0
 
-    first = min(size, PREFAULT_SYNC)
-    if populate(0, first) and first < size:
-        threading.Thread(target=lambda: all(populate(lo, min(lo + PREFAULT_STEP, size))
-                                            for lo in range(first, size, PREFAULT_STEP)),
-                         name="p2pw-prefault", daemon=True).start()
+    threading.Thread(target=lambda: all(populate(lo, min(lo + PREFAULT_STEP, size))
+                                        for lo in range(0, size, PREFAULT_STEP)),
+                     name="p2pw-prefault", daemon=True).start()
     return buf
 
 

@@ -161,3 +161,23 @@ def test_fuzzing_seeder_and_relay_ports_during_a_broadcast(procs, tmp_path, mode
         assert same_tree(model, tmp_path / f"r{rank}") == []
     assert seeder.popen.poll() is None and peers[1].popen.poll() is None
     peers[1].wait_line("unknown peer")
+
+
+def test_source_changed_under_a_running_seeder_is_reported_not_served(procs, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    blob = src / "weights.bin"
+    blob.write_bytes(os.urandom(8 * 65536))
+    first, info = procs.seeder(src, "--chunk-size", "64KiB")  # scans, files the manifest in the catalog
+    first.popen.terminate()
+    first.wait(30)
+    seeder, again = procs.seeder(src, "--chunk-size", "64KiB")  # restarted: serves from the catalog, reads lazily
+    assert again["model_id"] == info["model_id"]
+    seeder.wait_line("manifest from the catalog")
+    with open(blob, "r+b") as f:  # the checkpoint changes under the running seeder
+        f.seek(3 * 65536 + 10)
+        f.write(b"tampered")
+    peer = procs.join(again["port"], tmp_path / "p")
+    seeder.wait_line(r"chunk 3 read from storage does not match the manifest")
+    assert peer.popen.poll() is None  # it never gets the bad chunk, so it cannot finish
+    assert not (tmp_path / "p" / "weights.bin").exists()
