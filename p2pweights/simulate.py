@@ -116,7 +116,7 @@ def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="binomia
     t0 = _time.process_time()
     n_chunks = math.ceil(size / chunk)
     topo = resolve_topology(topology, nodes, n_chunks)
-    table = _topo.parent_table(topo, nodes)
+    table = _topo.parent_table(topo, nodes, settled=True)  # the tracker's adoptions happen as peers join
     rate = uplink * efficiency
 
     g = 1

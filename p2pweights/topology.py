@@ -125,6 +125,27 @@ class Striped:
                 out.append(0 if m == 0 else self.head(s, m - 1))
         return out
 
+    def adopts(self, rank: int) -> list[tuple[int, int]]:
+        """``(child, stripe)`` pairs that the tracker re-parents to ``rank`` when it joins.
+
+        ``rank`` is the head of its round in stripe ``g``; the peers of the same
+        round that joined before it (groups < g) had to take stripe g from the
+        previous round's head (or the seeder in round 0).  Moving them under
+        their own round's head makes the seeder send one copy in all (instead
+        of (k + 1)/2) and leaves every head with k - 1 leaf children, as before.
+        """
+        m, g = divmod(rank - 1, self.k)
+        return [(self.head(s, m), g) for s in range(g)]
+
+    def settled_parents(self, rank: int, n: int) -> list[int]:
+        """``parents(rank)`` once ranks 1..n have joined and every adoption happened."""
+        out = self.parents(rank)
+        m, g = divmod(rank - 1, self.k)
+        for s in range(g + 1, self.k):
+            if self.head(s, m) <= n:
+                out[s] = self.head(s, m)
+        return out
+
 
 TOPOLOGIES = {"binomial": Binomial, "chain": Chain, "star": Star, "kary": KAry, "striped": Striped}
 
@@ -190,11 +211,16 @@ def live_parent(topology, rank: int, stripe: int, alive) -> int:
     return parent
 
 
-def parent_table(topology, n: int):
-    """``table[s][r]`` = parent of rank r in stripe s for ranks 1..n (``table[s][0]`` = -1)."""
+def parent_table(topology, n: int, settled: bool = False):
+    """``table[s][r]`` = parent of rank r in stripe s for ranks 1..n (``table[s][0]`` = -1).
+
+    ``settled``: after the tracker's adoptions (``adopts``), for topologies that
+    have them; else the parents each rank was given when it joined.
+    """
     table = [[-1] * (n + 1) for _ in range(topology.stripes)]
+    settle = getattr(topology, "settled_parents", None) if settled else None
     for r in range(1, n + 1):
-        for s, p in enumerate(topology.parents(r)):
+        for s, p in enumerate(settle(r, n) if settle else topology.parents(r)):
             table[s][r] = p
     return table
 

@@ -198,3 +198,41 @@ def test_rank_zero_has_no_parent():
     for name in NAMES:
         with pytest.raises(ValueError):
             T.make(name).parents(0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 16, 33])
+def test_striped_adoptions_settle_and_keep_the_rules(k, n):
+    """Applying ``adopts`` join by join gives ``settled_parents``; parents stay earlier-or-adopting
+    heads of the stripe, every peer is interior in at most one stripe, and the seeder has
+    one child per stripe once a round is full."""
+    topo = T.Striped(k)
+    cur = {}
+    for r in range(1, n + 1):
+        cur[r] = topo.parents(r)
+        for child, s in topo.adopts(r):
+            assert child < r and topo.group(r) == s
+            cur[child][s] = r
+    for r in range(1, n + 1):
+        assert cur[r] == topo.settled_parents(r, n)
+        for s, p in enumerate(cur[r]):
+            assert p == 0 or topo.group(p) == s  # only heads of s forward stripe s
+    if n >= k:
+        for s in range(k):
+            assert sum(cur[r][s] == 0 for r in cur) == 1
+
+
+def test_tracker_adoptions_move_early_peers_to_their_round_head():
+    from p2pweights.tracker import Tracker
+
+    tr = Tracker(T.Striped(2), "seed:1")
+    a = tr.join("a", "a:1")
+    assert a.parents == [0, 0] and tr.adoptions(a) == []
+    b = tr.join("b", "b:1")
+    assert b.parents == [1, 0]
+    assert tr.adoptions(b) == [a] and a.parents == [0, 2]
+    assert tr.parent_addrs(a)[1] == {"rank": 2, "addr": "b:1", "stripe": 1}
+    assert tr.dependents(2) == [1] and sorted(tr.dependents(0)) == [1, 2]
+    tr.done(1)
+    c, d = tr.join("c", "c:1"), tr.join("d", "d:1")
+    assert tr.adoptions(c) == [] and tr.adoptions(d) == [c] and c.parents == [1, 4]

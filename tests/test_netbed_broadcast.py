@@ -1,0 +1,60 @@
+"""Broadcast on emulated hosts (bench/netbed): every topology runs end to end through
+``p2pw seed --topology T`` and ``p2pw join``, one peer per network namespace.
+
+Skips where namespaces cannot be made (not root, no iproute2).  The Testbed kills
+every process it started and deletes every namespace it made, also on failure.
+Speed is the benchmark's business (bench/broadcast.py); this only checks that the
+copies arrive, who sent what, and the tracker's adoptions.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "netbed"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from testbed import Testbed, list_netns  # noqa: E402
+
+_ok, _why = Testbed.available()
+pytestmark = pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_why}")
+
+N = 3
+SIZE_MB = 8
+CHUNK = 256 << 10
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from p2pweights.synth import write_synthetic_model
+
+    d = tmp_path_factory.mktemp("netbed-model")
+    write_synthetic_model(d / "model", size_mb=SIZE_MB, shards=2)
+    return str(d / "model")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("topo", ["star", "binomial", "chain", "kary:2", "striped:2"])
+def test_broadcast_to_three_hosts(topo, model, tmp_path):
+    import broadcast
+    from p2pweights import topology
+
+    with Testbed(N + 1, rate_mbit=400) as tb:
+        run_id = tb.run_id
+        r = broadcast.run_once(tb, model, N, topo, CHUNK, str(tmp_path), disk=False, timeout=60)
+    assert not [ns for ns in list_netns() if run_id in ns]
+    size = r["size"]
+    assert r["peer_bytes"] == [size] * N           # each join exited 0: every chunk verified
+    tx = r["seed_tx"] / size                       # frame bytes: a few % over payload
+    if topo == "star":
+        assert tx >= N * 0.99
+        assert sorted(r["settled"]) == [1, 2, 3] and all(p == [0] for p in r["settled"].values())
+    elif topo in ("chain", "striped:2"):
+        assert tx < 1.35                           # about one copy (striped: after the adoptions)
+    elif topo == "binomial":
+        assert 1.9 <= tx < 2.4                     # ranks 1 and 2 hang off the seeder
+    t = topology.make(topo)
+    for rank, parents in r["settled"].items():     # the tracker's final tree
+        want = t.settled_parents(rank, N) if hasattr(t, "settled_parents") else t.parents(rank)
+        assert parents == want, (rank, parents, want)
