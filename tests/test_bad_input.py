@@ -109,6 +109,21 @@ def garbage_messages(n_chunks: int):
     yield [protocol.request([n_chunks + 5])]                 # out of range (not attached either)
 
 
+def spray(port: int, n_chunks: int, connections: int = 3) -> None:
+    """Send every garbage message from several fresh DEALER connections to ``port``."""
+    ctx = zmq.Context()
+    try:
+        for _ in range(connections):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(f"tcp://127.0.0.1:{port}")
+            for frames in garbage_messages(n_chunks):
+                d.send_multipart(frames)
+            d.close()
+    finally:
+        ctx.term()
+
+
 def test_garbage_at_the_seeder_port_while_serving(procs, tmp_path, model_dir):
     seeder, info = procs.seeder(model_dir, "--chunk-size", "64KiB")
     peer = procs.join(info["port"], tmp_path / "p", env={"P2PW_FAULTS": "delay_recv=5ms"})
@@ -117,15 +132,9 @@ def test_garbage_at_the_seeder_port_while_serving(procs, tmp_path, model_dir):
         with socket.create_connection(("127.0.0.1", info["port"])) as s:
             s.sendall(os.urandom(1000 * (k + 1)))
     # well-framed ZeroMQ messages that break the p2pw protocol, from several connections
+    spray(info["port"], 1000)
     ctx = zmq.Context()
     try:
-        for _ in range(3):
-            d = ctx.socket(zmq.DEALER)
-            d.setsockopt(zmq.LINGER, 0)
-            d.connect(f"tcp://127.0.0.1:{info['port']}")
-            for frames in garbage_messages(1000):
-                d.send_multipart(frames)
-            d.close()
         # an attached child that then asks for a chunk that does not exist
         d = ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)

@@ -10,10 +10,9 @@ import signal
 import time
 
 import pytest
-import zmq
 
 from conftest import same_tree
-from test_bad_input import garbage_messages
+from test_bad_input import spray
 
 from p2pweights.synth import write_synthetic_model
 
@@ -144,18 +143,8 @@ def test_fuzzing_seeder_and_relay_ports_during_a_broadcast(procs, tmp_path, mode
     seeder, info, peers = start_tree(procs, tmp_path, model, 3)
     peers[1].wait_line("p2pw: done", timeout=90)
     relay_port = int(report(tmp_path, 1)["listen"].rsplit(":", 1)[1])
-    ctx = zmq.Context()
-    try:
-        for port in (info["port"], relay_port):
-            for _ in range(3):
-                d = ctx.socket(zmq.DEALER)
-                d.setsockopt(zmq.LINGER, 0)
-                d.connect(f"tcp://127.0.0.1:{port}")
-                for frames in garbage_messages(300):
-                    d.send_multipart(frames)
-                d.close()
-    finally:
-        ctx.term()
+    for port in (info["port"], relay_port):
+        spray(port, 300)
     for rank in (2, 3):
         peers[rank].wait_line("p2pw: done", timeout=90)
         assert same_tree(model, tmp_path / f"r{rank}") == []
