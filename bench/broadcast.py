@@ -132,6 +132,8 @@ def run_once(tb: Testbed, model_dir: str, n: int, topo: str, chunk: int, work: s
         "ranks": {r["rank"]: r["parents"] for r in reports},  # as given at join
         "settled": {int(r): m["parents"] for r, m in seed_doc["peers"].items()},  # after adoptions
         "peer_bytes": [r["bytes"] for r in reports],
+        "per_rank": {r["rank"]: {"first": round(r.get("first_chunk_at", start) - start, 3),
+                                 "done": round(r["done_at"] - start, 3)} for r in reports},
         "forwarded": sum(r["bytes_sent"] for r in reports) / total,
     }
 

@@ -182,7 +182,8 @@ def cmd_join(args) -> int:
                              # wall clock (epoch s) of join() and of the last verified chunk, for benchmarks
                              # that compare peers in separate processes against one common start
                              "started_at": time.time() - (time.monotonic() - dl.started),
-                             "done_at": time.time() - (time.monotonic() - dl.started) + secs})
+                             "done_at": time.time() - (time.monotonic() - dl.started) + secs,
+                             "first_chunk_at": time.time() - (time.monotonic() - (dl.store.first_at or dl.started))})
     if args.stay:
         print("p2pw: staying to serve others (Ctrl-C to stop)", flush=True)
         stop = threading.Event()
