@@ -67,7 +67,7 @@ class Seeder:
                  max_peers: int = 10_000):
         self.path = os.fspath(path)
         self.key = key
-        self.topology = make_topology(topology)
+        self.topology = make_topology(topology)  # a bad name fails before the scan
         t0 = time.monotonic()
         self.source = None
         known = catalog.lookup(path, chunk_size, hash)
@@ -82,6 +82,8 @@ class Seeder:
             self.store.have[:] = True
             self.store.count = self.manifest.n_chunks
         self.scan_seconds = time.monotonic() - t0
+        if topology.strip().lower().startswith("auto"):  # now the chunk count is known: choose with it
+            self.topology = make_topology(topology, chunks=self.manifest.n_chunks)
         self.ctx = zmq.Context()
         self.gate = keys.gate(self.ctx, key)  # ZAP allow-list, before any keyed socket exists
         try:
@@ -152,12 +154,17 @@ class Download:
         self.listen = listen
         self.manifest: Manifest = store.manifest
         self.rank: int = welcome["rank"]
-        self.parents: list[dict] = welcome["parents"]
         self.started = started
 
     @property
     def model_id(self) -> str:
         return self.manifest.model_id
+
+    @property
+    def parents(self) -> list[dict]:
+        """Our parent in each stripe now (the tracker may have moved us since we joined)."""
+        return [{"rank": u.rank, "addr": u.addr, "stripe": u.stripe}
+                for u in sorted(list(self.node.upstreams), key=lambda u: u.stripe)]
 
     @property
     def stats(self):

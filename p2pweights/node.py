@@ -186,7 +186,7 @@ class Node:
 
     def _attach(self, up: Upstream) -> None:
         up.attach_sent = time.monotonic()
-        up.socket.send(protocol.control(Msg.ATTACH, peer_id=self.peer_id, rank=self.rank,
+        self._post(up.socket, protocol.control(Msg.ATTACH, peer_id=self.peer_id, rank=self.rank,
                                         model_id=self.model_id, stripe=up.stripe))
 
     def start(self) -> None:
@@ -241,10 +241,10 @@ class Node:
         if self.store.complete and all(ok() for ok in self.extra_done):
             if not self.done_reported:
                 self.done_reported = True
-                self.tracker_link.send(protocol.control(Msg.DONE, rank=self.rank))
+                self._post(self.tracker_link, protocol.control(Msg.DONE, rank=self.rank))
             if self.leave_when_done and now >= self.leave_next:
                 self.leave_next = now + LEAVE_POLL
-                self.tracker_link.send(protocol.control(Msg.LEAVE, rank=self.rank))
+                self._post(self.tracker_link, protocol.control(Msg.LEAVE, rank=self.rank))
 
     def _heartbeat(self, now: float) -> None:
         """Tell children and members we live; learn who disconnected; update the recent rate."""
@@ -255,7 +255,7 @@ class Node:
             for ident in list(self.members):
                 self._send(ident, beat)
         if self.tracker_link is not None:
-            self.tracker_link.send(beat, zmq.NOBLOCK)
+            self._post(self.tracker_link, beat)
         t0, b0 = self.rate_mark
         if now - t0 >= 1.0:
             self.rate = (self.store.bytes - b0) / (now - t0)
@@ -267,8 +267,8 @@ class Node:
             if self.tracker_link is not None and now - up.orphan_sent > RETRY_INTERVAL \
                     and now - self.tracker_heard < self.tracker_timeout:
                 up.orphan_sent = now
-                self.tracker_link.send(protocol.control(Msg.ORPHAN, rank=self.rank, stripe=up.stripe,
-                                                        parent=up.rank, reason=up.lost), zmq.NOBLOCK)
+                self._post(self.tracker_link, protocol.control(Msg.ORPHAN, rank=self.rank, stripe=up.stripe,
+                                                               parent=up.rank, reason=up.lost))
             return
         if not (up.todo or up.outstanding):
             return
@@ -288,7 +288,7 @@ class Node:
                         "(4 credit windows at the recent rate)", stalled[:8], up.addr, bound)
             for i in stalled:
                 up.sent_at[i] = now
-            up.socket.send(protocol.request(stalled[:protocol.MAX_REQUEST]))
+            self._post(up.socket, protocol.request(stalled[:protocol.MAX_REQUEST]))
 
     def _orphan(self, up: Upstream, reason: str) -> None:
         """Stop pulling from ``up``'s parent; ask the tracker for another in that stripe."""
@@ -307,8 +307,8 @@ class Node:
             log.warning("tracker %s silent for %.0f s: introducing ourselves again", self.tracker_addr,
                         now - self.tracker_heard)
         self.hello_sent = now
-        self.tracker_link.send(protocol.control(Msg.HELLO, **self.hello_fields, rank=self.rank,
-                                                have=self.store.count), zmq.NOBLOCK)
+        self._post(self.tracker_link, protocol.control(Msg.HELLO, **self.hello_fields, rank=self.rank,
+                                                       have=self.store.count))
 
     def _new_parents(self, parents: list[dict]) -> None:
         """The tracker named our parents: switch every stripe whose parent was lost or changed."""
@@ -318,6 +318,19 @@ class Node:
             if up is None or up.lost is not None or up.rank != p["rank"] or up.addr != addr:
                 log.warning("stripe %d: new parent rank %d at %s", p["stripe"], p["rank"], addr)
                 self.add_parent(p["stripe"], self.stripes, addr, p["rank"])
+
+    @staticmethod
+    def _post(sock: zmq.Socket, frame: bytes) -> bool:
+        """Send one frame to a parent or the tracker without ever blocking the loop.
+
+        A DEALER whose peer is down queues up to its high-water mark and then
+        would block; dropping is right for these messages (requests are re-asked,
+        heartbeats and reports are repeated)."""
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def _fail(self, message: str) -> None:
         if self.fatal is None:
@@ -329,7 +342,7 @@ class Node:
     def _close_sockets(self) -> None:
         if self.tracker_link is not None and not self.left.is_set():
             try:  # tell the tracker we are gone, so no joiner is sent to a dead parent
-                self.tracker_link.send(protocol.control(Msg.BYE, rank=self.rank), zmq.NOBLOCK)
+                self._post(self.tracker_link, protocol.control(Msg.BYE, rank=self.rank))
                 self.tracker_link.setsockopt(zmq.LINGER, 500)
             except zmq.ZMQError:
                 pass
@@ -425,7 +438,7 @@ class Node:
                 want.append(i)
         if want:
             up.outstanding.update(want)
-            up.socket.send(protocol.request(want))
+            self._post(up.socket, protocol.request(want))
 
     def attach_source(self, source) -> None:
         """Serve chunks not yet held by reading them from ``source`` (a seeder restarted from the catalog)."""
