@@ -42,6 +42,7 @@ PARENT_TIMEOUT = 5.0  # a parent silent this long is given up for another (confi
 TRACKER_TIMEOUT = 10.0  # a tracker silent this long is re-introduced to (it may have restarted)
 MAX_BAD_FROM_PARENT = 4  # chunks failing verification before a parent is abandoned for another
 STALL_MIN = 2.0  # floor of the stall bound for one outstanding request, seconds
+IDLE_FORGET = 60.0  # a quiet connection that is neither child nor member is forgotten after this long
 RETRY_INTERVAL = 1.0  # ORPHAN / HELLO resend while waiting for the tracker
 ROUTER_MAX_MSG = 1 << 20
 READY = struct.Struct("<I?")  # read-ahead -> loop: chunk index, matched the manifest
@@ -87,6 +88,7 @@ class Upstream:
     last_heard: float = field(default_factory=time.monotonic)
     sent_at: dict = field(default_factory=dict)  # chunk index -> when we (last) asked for it
     bad: int = 0
+    last_chunk: float = field(default_factory=time.monotonic)  # when a chunk last came from this parent
     lost: str | None = None  # why we gave this parent up, while waiting for the tracker to name another
     orphan_sent: float = 0.0
 
@@ -136,6 +138,8 @@ class Node:
         self.members: dict[bytes, int] = {}
         self.parked: dict[int, list[bytes]] = defaultdict(list)
         self.bad: dict[bytes, int] = defaultdict(int)
+        self.seen: dict[bytes, float] = {}  # last message from each connection, for pruning idle ones
+        self.next_prune = 0.0
         self.stats = Stats()
         self.faults = faults.from_env()
         self.poller = zmq.Poller()
@@ -256,10 +260,22 @@ class Node:
                 self._send(ident, beat)
         if self.tracker_link is not None:
             self._post(self.tracker_link, beat)
+        if now >= self.next_prune:
+            self.next_prune = now + IDLE_FORGET / 2
+            self._prune(now)
         t0, b0 = self.rate_mark
         if now - t0 >= 1.0:
             self.rate = (self.store.bytes - b0) / (now - t0)
             self.rate_mark = (now, self.store.bytes)
+
+    def _prune(self, now: float) -> None:
+        """Forget connections that are neither child nor member and have been quiet a while,
+        so strangers opening connections cannot grow this node's memory without bound."""
+        for ident, last in list(self.seen.items()):
+            if now - last > IDLE_FORGET and ident not in self.children and ident not in self.members:
+                del self.seen[ident]
+                self.conns.pop(ident, None)
+                self.bad.pop(ident, None)
 
     def _watch_parent(self, up: Upstream, now: float) -> None:
         """Give up a silent parent; re-ask requests that stalled; nag the tracker for a new parent."""
@@ -280,15 +296,22 @@ class Node:
             return
         if up.conn.state != "attached" or not up.outstanding:
             return
-        bound = max(STALL_MIN, 4 * self.window * self.manifest.chunk_size / max(self.rate, 1.0))
+        if up.rank != 0 and self.tracker_link is not None and now - up.last_chunk > 3 * self.parent_timeout:
+            # it answers heartbeats but sends no chunk (its own parent's silence would have been
+            # repaired by now): another holder up the tree, its nearest live ancestor, takes over
+            self._orphan(up, f"stalled: no chunk for {now - up.last_chunk:.1f} s though it is alive")
+            return
+        bound = min(max(STALL_MIN, 4 * self.window * self.manifest.chunk_size / max(self.rate, 1.0)),
+                    2 * self.parent_timeout)
         stalled = [i for i in up.outstanding if now - up.sent_at.get(i, now) > bound]
-        if stalled:
-            self.stats.stalled += len(stalled)
-            log.warning("re-requesting chunk(s) %s from parent %s: outstanding longer than %.1f s "
-                        "(4 credit windows at the recent rate)", stalled[:8], up.addr, bound)
-            for i in stalled:
-                up.sent_at[i] = now
-            self._post(up.socket, protocol.request(stalled[:protocol.MAX_REQUEST]))
+        if not stalled:
+            return
+        self.stats.stalled += len(stalled)
+        log.warning("re-requesting chunk(s) %s from parent %s: outstanding longer than %.1f s "
+                    "(4 credit windows at the recent rate)", stalled[:8], up.addr, bound)
+        for i in stalled:
+            up.sent_at[i] = now
+        self._post(up.socket, protocol.request(stalled[:protocol.MAX_REQUEST]))
 
     def _orphan(self, up: Upstream, reason: str) -> None:
         """Stop pulling from ``up``'s parent; ask the tracker for another in that stripe."""
@@ -407,6 +430,7 @@ class Node:
             return
         up.outstanding.discard(index)
         up.sent_at.pop(index, None)
+        up.last_chunk = time.monotonic()
         view = self.store.chunk(index)
         n = sock.recv_into(view)
         self._discard_rest(sock)
@@ -522,7 +546,8 @@ class Node:
     def _on_router(self, sock) -> None:
         frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
         ident = frames[0]
-        if self.bad[ident] >= MAX_BAD_MESSAGES:
+        self.seen[ident] = time.monotonic()
+        if self.bad.get(ident, 0) >= MAX_BAD_MESSAGES:
             return
         conn = self.conns.get(ident)
         if conn is None:

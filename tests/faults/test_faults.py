@@ -170,3 +170,19 @@ def test_source_changed_under_a_running_seeder_is_reported_not_served(procs, tmp
     seeder.wait_line(r"chunk 3 read from storage does not match the manifest")
     assert peer.popen.poll() is None  # it never gets the bad chunk, so it cannot finish
     assert not (tmp_path / "p" / "weights.bin").exists()
+
+
+def test_alive_parent_that_sends_nothing_is_replaced(procs, tmp_path, model):
+    """Rank 1 answers heartbeats but drops every chunk it should forward: rank 3 moves up and finishes."""
+    seeder, info = procs.seeder(model, "--chunk-size", "64KiB")
+    env = {1: {"P2PW_FAULTS": "drop=1.0"}, 2: None, 3: None}
+    peers = {}
+    for rank in (1, 2, 3):
+        extra = ["--stay"] if rank < 3 else []
+        peers[rank] = procs.join(info["port"], tmp_path / f"r{rank}", "--report", tmp_path / f"r{rank}.json",
+                                 "--parent-timeout", "1", *extra, env=env[rank])
+        seeder.wait_line(rf"joined as rank {rank} under rank {PARENT_OF[rank]}\b")
+    assert peers[3].wait(90) == 0, peers[3].output()
+    assert same_tree(model, tmp_path / "r3") == []
+    assert "stalled: no chunk" in peers[3].output()
+    assert report(tmp_path, 3)["parents"] == [0] and report(tmp_path, 3)["reparented"] >= 1

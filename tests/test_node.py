@@ -1,0 +1,27 @@
+"""Node state that a test can drive by hand: the clock is passed in, no loop runs."""
+import zmq
+
+from p2pweights.manifest import Manifest
+from p2pweights.node import IDLE_FORGET, Child, Node, bind_router
+from p2pweights.protocol import SERVER_TRANSITIONS, Connection
+from p2pweights.store import Store
+
+
+def test_quiet_strangers_are_forgotten_children_are_not():
+    m = Manifest(total_size=8192, chunk_size=4096, chunks=["0" * 16, "0" * 16])
+    ctx = zmq.Context()
+    router, _ = bind_router(ctx, "127.0.0.1", 0)
+    try:
+        node = Node(ctx, router, m, Store(m), peer_id="t")
+        for ident in (b"stranger", b"child", b"hostile"):
+            node.seen[ident] = 0.0
+            node.conns[ident] = Connection(SERVER_TRANSITIONS, "new")
+        node.bad[b"hostile"] = 40
+        node.children[b"child"] = Child("c", 1)
+        node._prune(IDLE_FORGET / 2)  # not quiet long enough yet
+        assert set(node.conns) == {b"stranger", b"child", b"hostile"}
+        node._prune(IDLE_FORGET + 1)
+        assert set(node.conns) == {b"child"} and set(node.seen) == {b"child"} and b"hostile" not in node.bad
+    finally:
+        router.close(0)
+        ctx.term()
