@@ -347,9 +347,8 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         gate and gate.stop()
         ctx.destroy(0)
         raise
-    node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window, attach_timeout=connect_timeout,
-                key=key, parent_timeout=parent_timeout)
-    node.hello_fields = hello
+    node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window,
+                key=key, parent_timeout=parent_timeout, hello=hello)
     recovered = cache.recover(store) if cache is not None else []
     node.attach_tracker(link, tracker_addr, welcome["rank"])
     for p in welcome["parents"]:

@@ -84,7 +84,6 @@ class Upstream:
     conn: Connection
     todo: deque = field(default_factory=deque)
     outstanding: set = field(default_factory=set)
-    attach_sent: float = 0.0
     last_heard: float = field(default_factory=time.monotonic)
     sent_at: dict = field(default_factory=dict)  # chunk index -> when we (last) asked for it
     bad: int = 0
@@ -101,9 +100,10 @@ class Node:
     """Serves its store to children; a peer node also pulls from its parents and reports to the tracker."""
 
     def __init__(self, ctx: zmq.Context, router: zmq.Socket, manifest, store, *, peer_id: str,
-                 tracker=None, window: int = DEFAULT_WINDOW, attach_timeout: float = 30.0,
+                 tracker=None, window: int = DEFAULT_WINDOW,
                  key: keys.FleetKey | None = None, max_children: int = MAX_CHILDREN,
-                 parent_timeout: float = PARENT_TIMEOUT, tracker_timeout: float = TRACKER_TIMEOUT):
+                 parent_timeout: float = PARENT_TIMEOUT, tracker_timeout: float = TRACKER_TIMEOUT,
+                 hello: dict | None = None):
         self.ctx = ctx
         self.key = key  # CURVE on every link this node opens (keys.py)
         self.max_children = max_children
@@ -115,7 +115,7 @@ class Node:
         self.rate = 0.0  # recent verified bytes/s, for the stall bound
         self.rate_mark = (time.monotonic(), 0)
         self.member_idents: dict[int, bytes] = {}
-        self.hello_fields: dict = {}
+        self.hello_fields = hello or {}  # what we told the tracker when joining, repeated if it restarts
         self.reader = None  # a seeder restarted from the catalog reads chunks from storage as they are asked for
         self.ready_rx = None
         self.forge = forgery.from_env()  # test-only fault injection, None unless P2PW_FAULT_FORGE is set
@@ -130,7 +130,7 @@ class Node:
         self.tracker_conn: Connection | None = None
         self.rank = 0
         self.window = window
-        self.attach_timeout = attach_timeout
+        self.stripes = 1  # stripe trees of the topology; set by add_parent
         self.digest = chunk_hasher(manifest.hash)
         self.upstreams: list[Upstream] = []
         self.conns: dict[bytes, Connection] = {}
@@ -182,16 +182,14 @@ class Node:
         sock.connect(tcp(addr))
         todo = deque(i for i in range(stripe, self.manifest.n_chunks, stripes) if not self.store.has(i))
         up = Upstream(stripe, addr, rank, sock, Connection(CLIENT_TRANSITIONS, "attaching"), todo)
-        up.stripes = stripes
         self.upstreams.append(up)
         self.poller.register(sock, zmq.POLLIN)
         if todo:
             self._attach(up)
 
     def _attach(self, up: Upstream) -> None:
-        up.attach_sent = time.monotonic()
         self._post(up.socket, protocol.control(Msg.ATTACH, peer_id=self.peer_id, rank=self.rank,
-                                        model_id=self.model_id, stripe=up.stripe))
+                                               model_id=self.model_id, stripe=up.stripe))
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.run, name="p2pw-node", daemon=True)
@@ -536,7 +534,7 @@ class Node:
                 self.stats.malformed += 1
                 log.warning("tracker sent a bad REPARENT entry %r: ignored", p)
                 continue
-            if not 0 <= clean[-1]["stripe"] < getattr(self, "stripes", 1):
+            if not 0 <= clean[-1]["stripe"] < self.stripes:
                 self.stats.malformed += 1
                 log.warning("tracker sent a REPARENT for stripe %d, which does not exist: ignored", clean.pop()["stripe"])
         self._new_parents(clean)
