@@ -192,6 +192,9 @@ def cmd_join(args) -> int:
         while not stop.wait(0.2) and not dl.node.fatal:
             pass
         dl.close()
+        if dl.node.fatal:
+            print(f"p2pw: error: {dl.node.fatal}", file=sys.stderr)
+            return 1
     else:
         dl.close(linger=True)
     return 0

@@ -354,9 +354,9 @@ class Node:
             return False
 
     def _fail(self, message: str) -> None:
-        if self.fatal is None:
+        if self.fatal is None:  # not logged here: every wait raises it, and the CLI prints it once
             self.fatal = message
-            log.error("%s", message)
+            log.debug("fatal: %s", message)
             self.store.fail(message)
             self.stop_event.set()
 

@@ -186,3 +186,26 @@ def test_alive_parent_that_sends_nothing_is_replaced(procs, tmp_path, model):
     assert same_tree(model, tmp_path / "r3") == []
     assert "stalled: no chunk" in peers[3].output()
     assert report(tmp_path, 3)["parents"] == [0] and report(tmp_path, 3)["reparented"] >= 1
+
+
+def test_disk_full_on_a_leaf_is_a_clear_error_and_nothing_looks_complete(procs, tmp_path, model):
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        seeder, info = procs.seeder(model, "--chunk-size", "64KiB")
+        leaf = procs.join(info["port"], small / "copy")
+        assert leaf.wait(60) == 1, leaf.output()
+        assert len(leaf.lines) == 1 and leaf.lines[0].startswith("p2pw: error:"), leaf.output()
+        assert "No space left on device" in leaf.lines[0]
+        assert "Traceback" not in leaf.output()
+        names = [n for _, _, ns in os.walk(small / "copy") for n in ns]
+        assert names and all(n.endswith(".partial") for n in names), names  # nothing under a final name
+        assert seeder.popen.poll() is None
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
