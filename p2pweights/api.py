@@ -21,6 +21,7 @@ from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, Manifest
 from .node import DEFAULT_WINDOW, PARENT_TIMEOUT, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
 from .store import Store, StoreClosed, host_buffer
+from .formats import checkpoint_files
 from .source import BlobSource
 from .topology import make as make_topology
 from .tracker import Tracker
@@ -64,13 +65,13 @@ class Seeder:
     def __init__(self, path, *, port: int = DEFAULT_PORT, host: str = "0.0.0.0",
                  chunk_size: int = DEFAULT_CHUNK_SIZE, topology: str = "binomial", hash: str = "xxh3_64",
                  advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
-                 max_peers: int = 10_000):
+                 max_peers: int = 10_000, manifest: str | None = None):
         self.path = os.fspath(path)
         self.key = key
         self.topology = make_topology(topology)  # a bad name fails before the scan
         t0 = time.monotonic()
         self.source = None
-        known = catalog.lookup(path, chunk_size, hash)
+        known = self._published(path, manifest) if manifest else catalog.lookup(path, chunk_size, hash)
         if known is not None:  # hashed before (a restart): serve now, read chunks as peers ask for them
             self.manifest, self.scanned = known, 0
             self.store = Store(known)
@@ -102,6 +103,23 @@ class Seeder:
     @property
     def model_id(self) -> str:
         return self.manifest.model_id
+
+    @staticmethod
+    def _published(path, manifest_path: str) -> Manifest:
+        """A manifest built earlier (``p2pw manifest PATH -o M``) that matches the files at ``path``."""
+        try:
+            with open(manifest_path) as f:
+                m = Manifest.from_json(f.read())
+        except OSError as e:
+            raise P2PError(f"cannot read manifest {manifest_path}: {e.strerror}") from None
+        on_disk = {name: size for name, _, size in checkpoint_files(path)}
+        for f in m.files:
+            have = on_disk.get(f["name"])
+            if have != f["size"]:
+                found = "missing" if have is None else f"{have} bytes"
+                raise P2PError(f"{manifest_path} does not describe {path}: {f['name']} is {found}, "
+                               f"the manifest says {f['size']} bytes")
+        return m
 
     @property
     def bytes_read(self) -> int:

@@ -84,11 +84,12 @@ def cmd_seed(args) -> int:
     if args.topology.strip().lower() == "auto" and args.expect:
         args.topology = f"auto:{args.expect}"
     s = seed(args.path, port=args.port, host=args.host, chunk_size=args.chunk_size, topology=args.topology,
-             advertise=args.advertise, window=args.window, hash=args.hash, key=key, max_peers=args.max_peers)
+             advertise=args.advertise, window=args.window, hash=args.hash, key=key, max_peers=args.max_peers,
+             manifest=args.manifest)
     m = s.manifest
     print(f"p2pw: serving {args.path}: {human(m.total_size)} in {m.n_chunks} chunks of {human(m.chunk_size)}, "
           f"{len(m.files)} files, {len(m.tensors)} tensors " + (
-              "(manifest from the catalog: reading chunks from storage as peers ask)" if s.source is not None
+              "(manifest known: reading chunks from storage as peers ask)" if s.source is not None
               else f"(read {human(s.bytes_read)} from storage in {s.scan_seconds:.2f} s)"), flush=True)
     print(f"p2pw: model id {s.model_id}")
     if key is None:
@@ -275,6 +276,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--expect", type=int, metavar="N", help="peers expected (how --topology auto chooses; default 16)")
     s.add_argument("--window", type=int, default=8, help="credit window: requests a child keeps outstanding")
     s.add_argument("--exit-after", type=int, default=0, metavar="N", help="exit once N peers are done and gone")
+    s.add_argument("--manifest", metavar="M",
+                   help="serve at once with this manifest (from p2pw manifest PATH -o M) instead of hashing "
+                        "PATH first; chunks are read from storage and verified as peers ask for them")
     s.add_argument("--ready", help="write {port, model_id} as JSON to this file once serving")
     s.add_argument("--report", help="write a JSON report to this file on exit")
     s.add_argument("--key", metavar="DIR", help="fleet key directory (p2pw keygen): encrypt and authenticate links")

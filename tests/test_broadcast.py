@@ -95,3 +95,27 @@ def test_partial_names_until_complete(procs, tmp_path, model_dir):
     assert names and all(n.endswith(".partial") for n in names), names
     assert slow.wait(90) == 0, slow.output()
     assert same_tree(model_dir, tmp_path / "p") == []
+
+
+def test_seed_with_a_published_manifest_serves_without_a_scan(procs, tmp_path, model_dir):
+    """p2pw manifest PATH -o M, then p2pw seed PATH --manifest M: serving starts at once, storage is read
+    only for what peers ask, and a manifest of other files is refused with one clear line."""
+    import subprocess
+    import sys
+
+    m = tmp_path / "m.json"
+    subprocess.run([sys.executable, "-m", "p2pweights", "manifest", model_dir, "--chunk-size", CHUNK, "-o", m],
+                   check=True, capture_output=True)
+    seeder, info = procs.seeder(model_dir, "--manifest", m, "--report", tmp_path / "seed.json")
+    assert info["model_id"] == json.loads(m.read_text())["model_id"]
+    seeder.wait_line("manifest known")
+    peer = procs.join(info["port"], tmp_path / "p", "--model-id", info["model_id"])
+    assert peer.wait(60) == 0, peer.output()
+    assert same_tree(model_dir, tmp_path / "p") == []
+    seeder.popen.terminate()
+    assert seeder.wait(30) == 0
+    assert json.loads((tmp_path / "seed.json").read_text())["bytes_read"] <= info["total_size"]
+    (model_dir / "config.json").write_text("{}")  # the files no longer match the manifest
+    r = subprocess.run([sys.executable, "-m", "p2pweights", "seed", model_dir, "--manifest", m, "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "does not describe" in r.stderr and "config.json" in r.stderr, r.stderr

@@ -162,7 +162,7 @@ def test_source_changed_under_a_running_seeder_is_reported_not_served(procs, tmp
     first.wait(30)
     seeder, again = procs.seeder(src, "--chunk-size", "64KiB")  # restarted: serves from the catalog, reads lazily
     assert again["model_id"] == info["model_id"]
-    seeder.wait_line("manifest from the catalog")
+    seeder.wait_line("manifest known")
     with open(blob, "r+b") as f:  # the checkpoint changes under the running seeder
         f.seek(3 * 65536 + 10)
         f.write(b"tampered")
