@@ -80,8 +80,7 @@ class Seeder:
             self.manifest, self.scanned, buffer = build(path, chunk_size, hash, into=host_buffer)
             catalog.remember(path, self.manifest)
             self.store = Store(self.manifest, buffer)
-            self.store.have[:] = True
-            self.store.count = self.manifest.n_chunks
+            self.store.hold_all()
         self.scan_seconds = time.monotonic() - t0
         if topology.strip().lower().startswith("auto"):  # now the chunk count is known: choose with it
             self.topology = make_topology(topology, chunks=self.manifest.n_chunks)

@@ -23,6 +23,7 @@ import threading
 import numpy as np
 
 from .manifest import chunk_hasher, file_segments
+from .source import BlobSource
 
 PARTIAL = ".partial"
 
@@ -72,15 +73,13 @@ class DiskCache:
         if not self.resuming:
             return []
         digest = chunk_hasher(self.manifest.hash)
-        found = []
-        for index in range(self.manifest.n_chunks):
-            lo, hi = self.manifest.chunk_span(index)
-            view = store.chunk(index)
-            for f, off, a, b in file_segments(self.manifest.files, lo, hi):
-                os.preadv(self.fds[f["name"]], [view[a - lo: b - lo]], off)
-            if digest(view) == self.manifest.chunks[index]:
-                self.on_disk[index] = True
-                found.append(index)
+        source = BlobSource(self.out, self.manifest.files, suffix=PARTIAL)
+        try:
+            found = [i for i in range(self.manifest.n_chunks)
+                     if source.read_chunk(self.manifest, i, store.chunk(i), digest)]
+        finally:
+            source.close()
+        self.on_disk[found] = True
         return found
 
     def put(self, index: int, data: memoryview) -> None:

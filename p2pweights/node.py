@@ -56,12 +56,16 @@ class Stats:
     bytes_sent: int = 0
     chunks_received: int = 0
     bad_chunks: int = 0
-    refetched: int = 0
     duplicates: int = 0
     malformed: int = 0
     stalled: int = 0
     reparented: int = 0
     resumed: int = 0
+
+    @property
+    def refetched(self) -> int:
+        """Chunks fetched again: each one that failed verification."""
+        return self.bad_chunks
 
 
 @dataclass
@@ -89,7 +93,14 @@ class Upstream:
     bad: int = 0
     last_chunk: float = field(default_factory=time.monotonic)  # when a chunk last came from this parent
     lost: str | None = None  # why we gave this parent up, while waiting for the tracker to name another
+    dead: bool = False  # lost because it went silent (the tracker may declare it gone), not merely bad
     orphan_sent: float = 0.0
+
+    def requeue(self) -> None:
+        """Put every outstanding request back at the front of the queue, in order, to be asked again."""
+        self.todo.extendleft(sorted(self.outstanding, reverse=True))
+        self.outstanding.clear()
+        self.sent_at.clear()
 
 
 def tcp(addr: str) -> str:
@@ -114,7 +125,6 @@ class Node:
         self.hello_sent = 0.0
         self.rate = 0.0  # recent verified bytes/s, for the stall bound
         self.rate_mark = (time.monotonic(), 0)
-        self.member_idents: dict[int, bytes] = {}
         self.hello_fields = hello or {}  # what we told the tracker when joining, repeated if it restarts
         self.reader = None  # a seeder restarted from the catalog reads chunks from storage as they are asked for
         self.ready_rx = None
@@ -282,7 +292,7 @@ class Node:
                     and now - self.tracker_heard < self.tracker_timeout:
                 up.orphan_sent = now
                 self._post(self.tracker_link, protocol.control(Msg.ORPHAN, rank=self.rank, stripe=up.stripe,
-                                                               parent=up.rank, reason=up.lost))
+                                                               parent=up.rank, reason=up.lost, dead=up.dead))
             return
         if not (up.todo or up.outstanding):
             return
@@ -290,7 +300,7 @@ class Node:
             if self.tracker_link is None:
                 self._fail(f"parent {up.addr} (rank {up.rank}) did not answer within {self.parent_timeout:.0f} s")
             else:
-                self._orphan(up, f"silent for {now - up.last_heard:.1f} s")
+                self._orphan(up, f"silent for {now - up.last_heard:.1f} s", dead=True)
             return
         if up.conn.state != "attached" or not up.outstanding:
             return
@@ -311,13 +321,12 @@ class Node:
             up.sent_at[i] = now
         self._post(up.socket, protocol.request(stalled[:protocol.MAX_REQUEST]))
 
-    def _orphan(self, up: Upstream, reason: str) -> None:
+    def _orphan(self, up: Upstream, reason: str, dead: bool = False) -> None:
         """Stop pulling from ``up``'s parent; ask the tracker for another in that stripe."""
         log.warning("giving up parent %s (rank %d) in stripe %d: %s; asking the tracker for another",
                     up.addr, up.rank, up.stripe, reason)
-        up.lost = reason
-        up.todo.extendleft(sorted(up.outstanding, reverse=True))
-        up.outstanding.clear()
+        up.lost, up.dead = reason, dead
+        up.requeue()
         up.orphan_sent = 0.0
         self.poller.unregister(up.socket)
         up.socket.close(0)
@@ -330,15 +339,6 @@ class Node:
         self.hello_sent = now
         self._post(self.tracker_link, protocol.control(Msg.HELLO, **self.hello_fields, rank=self.rank,
                                                        have=self.store.count))
-
-    def _new_parents(self, parents: list[dict]) -> None:
-        """The tracker named our parents: switch every stripe whose parent was lost or changed."""
-        for p in parents:
-            up = next((u for u in self.upstreams if u.stripe == p["stripe"]), None)
-            addr = p["addr"] or self.tracker_addr
-            if up is None or up.lost is not None or up.rank != p["rank"] or up.addr != addr:
-                log.warning("stripe %d: new parent rank %d at %s", p["stripe"], p["rank"], addr)
-                self.add_parent(p["stripe"], self.stripes, addr, p["rank"])
 
     @staticmethod
     def _post(sock: zmq.Socket, frame: bytes) -> bool:
@@ -409,8 +409,7 @@ class Node:
         elif event.type == Msg.ERROR:  # it lost our state (restarted?): attach again, ask again
             log.warning("parent %s: %s; attaching again", up.addr, event.fields.get("message"))
             up.conn.state = "attaching"
-            up.todo.extendleft(sorted(up.outstanding, reverse=True))
-            up.outstanding.clear()
+            up.requeue()
             self._attach(up)
 
     def _on_chunk(self, up: Upstream, index: int) -> None:
@@ -437,7 +436,6 @@ class Node:
             self.faults.received()
         if n != len(view) or self.digest(view) != self.manifest.chunks[index]:
             self.stats.bad_chunks += 1
-            self.stats.refetched += 1
             up.todo.appendleft(index)
             up.bad += 1
             log.warning("chunk %d from parent %s failed verification (%d bytes): dropped, fetching it again",
@@ -537,7 +535,12 @@ class Node:
             if not 0 <= clean[-1]["stripe"] < self.stripes:
                 self.stats.malformed += 1
                 log.warning("tracker sent a REPARENT for stripe %d, which does not exist: ignored", clean.pop()["stripe"])
-        self._new_parents(clean)
+        for p in clean:
+            up = next((u for u in self.upstreams if u.stripe == p["stripe"]), None)
+            addr = p["addr"] or self.tracker_addr
+            if up is None or up.lost is not None or up.rank != p["rank"] or up.addr != addr:
+                log.warning("stripe %d: new parent rank %d at %s", p["stripe"], p["rank"], addr)
+                self.add_parent(p["stripe"], self.stripes, addr, p["rank"])
 
     # ----- router: children, joiners, members ------------------------------
 
@@ -639,7 +642,6 @@ class Node:
             self.conns.pop(ident, None)
             return
         self.members[ident] = member.rank
-        self.member_idents[member.rank] = ident
         log.info("peer %s joined as rank %d under %s", f["peer_id"], member.rank,
                  ", ".join(f"rank {p}" for p in member.parents))
         self._send(ident, protocol.control(
@@ -647,9 +649,7 @@ class Node:
             stripes=self.tracker.topology.stripes, tracker=self.tracker.root_listen),
             self.manifest.to_json().encode())
         for moved in self.tracker.adoptions(member):
-            child = next((i for i, r in self.members.items() if r == moved.rank), None)
-            if child is not None:
-                self._send(child, protocol.control(Msg.REPARENT, parents=self.tracker.parent_addrs(moved)))
+            self._send_parents(moved.rank)
 
     def _on_attach(self, ident: bytes, event) -> None:
         f = event.fields
@@ -706,10 +706,14 @@ class Node:
         log.info("peer rank %d %s%s", rank, why,
                  f"; re-attaching {', '.join(f'rank {r}' for r, _ in moved)}" if moved else "")
         for r, _ in moved:
-            ident = self.member_idents.get(r)
-            if ident is not None and self.members.get(ident) == r:
-                self._send(ident, protocol.control(
-                    Msg.REPARENT, parents=self.tracker.parent_addrs(self.tracker.members[r])))
+            self._send_parents(r)
+
+    def _send_parents(self, rank: int) -> None:
+        """Tell member ``rank`` (on its tracker link) who its parents are now."""
+        ident = next((i for i, r in self.members.items() if r == rank), None)
+        if ident is not None:
+            self._send(ident, protocol.control(
+                Msg.REPARENT, parents=self.tracker.parent_addrs(self.tracker.members[rank])))
 
     def _on_orphan(self, ident: bytes, event) -> None:
         rank = self.members.get(ident)
@@ -719,17 +723,17 @@ class Node:
         member = self.tracker.members[rank]
         if not 0 <= f["stripe"] < len(member.parents):
             raise ProtocolError(f"ORPHAN for stripe {f['stripe']}, which does not exist")
-        dead = f["reason"].startswith("silent")
+        dead = f.get("dead") is True
         if dead and f["parent"] in self.tracker.members and not self.tracker.members[f["parent"]].left:
             self._member_gone(f["parent"], f"reported silent by rank {rank}")
         new = self.tracker.reparent(rank, f["stripe"], f["parent"], dead)
         log.info("rank %d lost parent rank %d in stripe %d (%s): now under rank %d",
                  rank, f["parent"], f["stripe"], f["reason"], new)
-        self._send(ident, protocol.control(Msg.REPARENT, parents=self.tracker.parent_addrs(member)))
+        self._send_parents(rank)
 
     def _on_member_heartbeat(self, ident: bytes, event) -> None:
         rank = self.members.get(ident)
-        if rank is not None and self.tracker is not None:
+        if rank is not None:
             self.tracker.touch(rank)
 
     def _on_leave(self, ident: bytes, event) -> None:

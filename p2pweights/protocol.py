@@ -58,7 +58,7 @@ class Msg(IntEnum):
     HEARTBEAT = 13  # either way: {}
     REPARENT = 14   # tracker -> peer: {parents}
     BYE = 15        # peer -> tracker: {rank}; it is leaving now, serve nobody from it
-    ORPHAN = 16     # peer -> tracker: {rank, stripe, parent, reason}; give me another parent in that stripe
+    ORPHAN = 16     # peer -> tracker: {rank, stripe, parent, reason, dead}; another parent in that stripe
 
 
 # Required JSON fields of each control message and their types.

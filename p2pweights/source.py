@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import bisect
 import os
+import queue
+import threading
 
 import numpy as np
+
+from .manifest import chunk_hasher, file_segments
 
 
 class SourceError(OSError):
@@ -19,10 +23,13 @@ class SourceError(OSError):
 
 
 class BlobSource:
-    """Reads blob ranges from the files of a checkpoint at ``path`` (a file or a directory)."""
+    """Reads blob ranges from the files of a checkpoint at ``path`` (a file or a directory).
 
-    def __init__(self, path, files: list[dict]):
+    ``suffix`` is appended to every file name (a peer's ``.partial`` files)."""
+
+    def __init__(self, path, files: list[dict], suffix: str = ""):
         self.root = os.fspath(path)
+        self.suffix = suffix
         self.is_dir = os.path.isdir(self.root)
         self.files = [f for f in files if f["size"] > 0]
         self.starts = [f["offset"] for f in self.files]
@@ -32,7 +39,7 @@ class BlobSource:
     def _fd(self, name: str) -> int:
         fd = self.fds.get(name)
         if fd is None:
-            full = os.path.join(self.root, name) if self.is_dir else self.root
+            full = (os.path.join(self.root, name) if self.is_dir else self.root) + self.suffix
             try:
                 fd = self.fds[name] = os.open(full, os.O_RDONLY)
             except OSError as e:
@@ -72,6 +79,12 @@ class BlobSource:
             done += n
             self.bytes_read += n
 
+    def read_chunk(self, manifest, index: int, view: memoryview, digest) -> bool:
+        """Read chunk ``index`` into ``view``; whether its hash is the manifest's."""
+        lo, _ = manifest.chunk_span(index)
+        self.read_into(lo, view)
+        return digest(view) == manifest.chunks[index]
+
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
@@ -84,8 +97,6 @@ def verify_copy(root, manifest) -> tuple[int, str | None]:
     Returns (chunks checked, None) when every chunk matches, or (index of the
     first bad chunk, a message naming it and the file(s) it covers).
     """
-    from .manifest import chunk_hasher, file_segments
-
     for f in manifest.files:
         full = os.path.join(root, f["name"]) if os.path.isdir(root) else root
         try:
@@ -98,11 +109,9 @@ def verify_copy(root, manifest) -> tuple[int, str | None]:
     source = BlobSource(root, manifest.files)
     buf = memoryview(bytearray(manifest.chunk_size))
     try:
-        for index, want in enumerate(manifest.chunks):
+        for index in range(manifest.n_chunks):
             lo, hi = manifest.chunk_span(index)
-            view = buf[: hi - lo]
-            source.read_into(lo, view)
-            if digest(view) != want:
+            if not source.read_chunk(manifest, index, buf[: hi - lo], digest):
                 names = ", ".join(f["name"] for f, *_ in file_segments(manifest.files, lo, hi)) or "padding"
                 return index, f"chunk {index} (bytes {lo}-{hi} of the blob, in {names}) does not match the manifest"
     finally:
@@ -122,11 +131,6 @@ class ReadAhead:
     """
 
     def __init__(self, source: BlobSource, store, on_ready, ahead: int = 8, on_exit=None):
-        import queue
-        import threading
-
-        from .manifest import chunk_hasher
-
         self.source, self.store, self.on_ready, self.ahead, self.on_exit = source, store, on_ready, ahead, on_exit
         self.digest = chunk_hasher(store.manifest.hash)
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -154,11 +158,8 @@ class ReadAhead:
 
     def _read(self, index: int) -> None:
         self.done[index] = True
-        lo, _ = self.store.manifest.chunk_span(index)
-        view = self.store.chunk(index)
         try:
-            self.source.read_into(lo, view)
-            ok = self.digest(view) == self.store.manifest.chunks[index]
+            ok = self.source.read_chunk(self.store.manifest, index, self.store.chunk(index), self.digest)
         except OSError:
             ok = False
         self.on_ready(index, ok)
