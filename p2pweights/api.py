@@ -275,48 +275,54 @@ def _handshake(ctx, addr: str, hello: dict, model_id: str | None, timeout: float
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MANIFEST_BYTES)
         keys.secure_client(sock, key)
-        watch = keys.LinkWatch(sock, addr, key)
-        sock.connect(tcp(addr))
-        sock.send(protocol.control(Msg.HELLO, **hello))
         try:
-            answered = watch.wait(timeout)
-        except keys.LinkRefused as e:
+            event = _hello(sock, addr, hello, timeout, key)
+            if event.type == Msg.REDIRECT:
+                sock.close(0)
+                addr = event.fields["tracker"] or addr
+                continue
+            return sock, addr, event.fields, _welcome_manifest(event, addr, model_id)
+        except BaseException:
             sock.close(0)
-            raise P2PError(str(e)) from None
-        finally:
-            watch.close()
-        if not answered:
-            sock.close(0)
-            raise P2PError(f"no answer from {addr} within {timeout:g} s: is a p2pw seeder or peer running there?")
-        try:
-            event = protocol.decode(sock.recv_multipart())
-        except ProtocolError as e:
-            sock.close(0)
-            raise P2PError(f"{addr} is not a compatible p2pw node: {e}") from None
-        if event.type == Msg.REDIRECT:
-            sock.close(0)
-            host, _ = parse_addr(addr)
-            addr = event.fields["tracker"] or addr
-            continue
-        if event.type == Msg.ERROR:
-            sock.close(0)
-            raise P2PError(f"{addr} refused us: {event.fields['message']}")
-        if event.type != Msg.WELCOME:
-            sock.close(0)
-            raise P2PError(f"{addr} answered HELLO with {event.type.name}")
-        stripes, parents = event.fields["stripes"], event.fields["parents"]
-        if not 1 <= stripes <= MAX_STRIPES or len(parents) != stripes or not all(
-                isinstance(p, dict) and isinstance(p.get("addr"), str) and p.get("stripe") in range(stripes)
-                and isinstance(p.get("rank"), int) for p in parents):
-            sock.close(0)
-            raise P2PError(f"{addr} sent a malformed WELCOME: {stripes} stripes, parents {str(parents)[:200]}")
-        try:
-            manifest = Manifest.from_json(bytes(event.payload), expect_id=model_id)
-        except ManifestError as e:
-            sock.close(0)
-            raise P2PError(str(e)) from None
-        return sock, addr, event.fields, manifest
+            raise
     raise P2PError(f"too many redirects joining through {addr}")
+
+
+def _hello(sock, addr: str, hello: dict, timeout: float, key):
+    """Send HELLO on ``sock`` to ``addr`` and return the answer: WELCOME or REDIRECT, else P2PError."""
+    watch = keys.LinkWatch(sock, addr, key)
+    sock.connect(tcp(addr))
+    sock.send(protocol.control(Msg.HELLO, **hello))
+    try:
+        answered = watch.wait(timeout)
+    except keys.LinkRefused as e:
+        raise P2PError(str(e)) from None
+    finally:
+        watch.close()
+    if not answered:
+        raise P2PError(f"no answer from {addr} within {timeout:g} s: is a p2pw seeder or peer running there?")
+    try:
+        event = protocol.decode(sock.recv_multipart())
+    except ProtocolError as e:
+        raise P2PError(f"{addr} is not a compatible p2pw node: {e}") from None
+    if event.type == Msg.ERROR:
+        raise P2PError(f"{addr} refused us: {event.fields['message']}")
+    if event.type not in (Msg.WELCOME, Msg.REDIRECT):
+        raise P2PError(f"{addr} answered HELLO with {event.type.name}")
+    return event
+
+
+def _welcome_manifest(event, addr: str, model_id: str | None) -> Manifest:
+    """Check a WELCOME's tree fields and return its manifest (pinned to ``model_id`` if given)."""
+    stripes, parents = event.fields["stripes"], event.fields["parents"]
+    if not 1 <= stripes <= MAX_STRIPES or len(parents) != stripes or not all(
+            isinstance(p, dict) and isinstance(p.get("addr"), str) and p.get("stripe") in range(stripes)
+            and isinstance(p.get("rank"), int) for p in parents):
+        raise P2PError(f"{addr} sent a malformed WELCOME: {stripes} stripes, parents {str(parents)[:200]}")
+    try:
+        return Manifest.from_json(bytes(event.payload), expect_id=model_id)
+    except ManifestError as e:
+        raise P2PError(str(e)) from None
 
 
 def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0.0.0",
