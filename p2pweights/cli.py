@@ -77,6 +77,15 @@ def write_json(path: str | None, doc: dict) -> None:
         os.replace(tmp, path)
 
 
+def serve_until_signalled(finished=lambda: False, every: float = 0.1) -> None:
+    """Block until SIGINT or SIGTERM (ending cleanly, not with a traceback) or until ``finished()``."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(every) and not finished():
+        pass
+
+
 def cmd_seed(args) -> int:
     from .api import seed
 
@@ -99,14 +108,9 @@ def cmd_seed(args) -> int:
         print(f"p2pw: links are CURVE-encrypted; only holders of the fleet key in {key.dir} can join", flush=True)
     print(f"p2pw: join with: {join_command(args, s.port, s.model_id, key)}", flush=True)
     write_json(args.ready, {"port": s.port, "model_id": s.model_id, "total_size": m.total_size})
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        while not stop.wait(0.1):
-            if args.exit_after and s.peers_done() >= args.exit_after and all(
-                    mem.left for mem in s.tracker.members.values()):
-                break
+        serve_until_signalled(lambda: bool(args.exit_after) and s.peers_done() >= args.exit_after and all(
+            mem.left for mem in s.tracker.members.values()))
     finally:
         s.close()
     report = {"model_id": s.model_id, "total_size": m.total_size, "bytes_read": s.bytes_read,
@@ -175,6 +179,7 @@ def cmd_join(args) -> int:
 
         dl.state_dict()
         print(format_report(dl.stage_report()), flush=True)
+    wall = time.time() - time.monotonic()  # wall clock = monotonic + this, for comparing peer processes
     write_json(args.report, {"rank": dl.rank, "parents": [x["rank"] for x in dl.parents], "seconds": secs,
                              "bytes": p["total"], "refetched": st.refetched, "bad_chunks": st.bad_chunks,
                              "bytes_sent": st.bytes_sent, "model_id": dl.model_id, "listen": dl.listen,
@@ -182,16 +187,12 @@ def cmd_join(args) -> int:
                              "reparented": st.reparented,
                              # wall clock (epoch s) of join() and of the last verified chunk, for benchmarks
                              # that compare peers in separate processes against one common start
-                             "started_at": time.time() - (time.monotonic() - dl.started),
-                             "done_at": time.time() - (time.monotonic() - dl.started) + secs,
-                             "first_chunk_at": time.time() - (time.monotonic() - (dl.store.first_at or dl.started))})
+                             "started_at": wall + dl.started,
+                             "done_at": wall + dl.started + secs,
+                             "first_chunk_at": wall + (dl.store.first_at or dl.started)})
     if args.stay:
         print("p2pw: staying to serve others (Ctrl-C to stop)", flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(0.2) and not dl.node.fatal:
-            pass
+        serve_until_signalled(lambda: dl.node.fatal is not None, every=0.2)
         dl.close()
         if dl.node.fatal:
             print(f"p2pw: error: {dl.node.fatal}", file=sys.stderr)

@@ -8,6 +8,9 @@ Set ``P2PW_FAULTS`` in a node's environment to a comma-separated list:
 - ``delay_recv=MS``: sleep MS milliseconds after each chunk this node receives (a slow reader)
 - ``seed=N``: seed of the random choices, for repeatable runs
 
+``P2PW_FAULT_FORGE=I[,J...]`` also makes the node send xxh3-preserving forgeries
+of those chunks (``forgery.py``); both arrive through the same hook.
+
 The node asks ``FAULTS`` (None when the variable is unset), so the hot path pays
 one ``is None`` test when no fault is configured.
 """
@@ -31,12 +34,15 @@ class Faults:
     delay_send: float = 0.0
     delay_recv: float = 0.0
     seed: int | None = None
+    forger: object = None  # a forgery.Forger, from P2PW_FAULT_FORGE
 
     def __post_init__(self):
         self.rng = random.Random(self.seed)
 
-    def outgoing(self, data):
-        """The bytes to send for a chunk (maybe corrupted), or None to drop it."""
+    def outgoing(self, index: int, data):
+        """The bytes to send for chunk ``index`` (maybe forged or corrupted), or None to drop it."""
+        if self.forger is not None:
+            data = self.forger.outgoing(index, data)
         if self.delay_send:
             time.sleep(self.delay_send)
         if self.drop and self.rng.random() < self.drop:
@@ -73,9 +79,15 @@ def parse(spec: str) -> Faults:
 
 
 def from_env() -> Faults | None:
+    """The faults this node's environment asks for, or None (the normal case)."""
+    from . import forgery
+
     spec = os.environ.get("P2PW_FAULTS")
-    if not spec:
+    forger = forgery.from_env()
+    if not spec and forger is None:
         return None
-    faults = parse(spec)
-    log.warning("fault injection is ON (P2PW_FAULTS=%s)", spec)
+    faults = parse(spec or "")
+    faults.forger = forger
+    if spec:
+        log.warning("fault injection is ON (P2PW_FAULTS=%s)", spec)
     return faults

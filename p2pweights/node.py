@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import faults, forgery, keys, protocol
+from . import faults, keys, protocol
 from .manifest import chunk_hasher
 from .protocol import CLIENT_TRANSITIONS, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
 from .tracker import TrackerError
@@ -128,7 +128,6 @@ class Node:
         self.hello_fields = hello or {}  # what we told the tracker when joining, repeated if it restarts
         self.reader = None  # a seeder restarted from the catalog reads chunks from storage as they are asked for
         self.ready_rx = None
-        self.forge = forgery.from_env()  # test-only fault injection, None unless P2PW_FAULT_FORGE is set
         self.router = router
         self.manifest = manifest
         self.model_id = manifest.model_id
@@ -151,7 +150,7 @@ class Node:
         self.seen: dict[bytes, float] = {}  # last message from each connection, for pruning idle ones
         self.next_prune = 0.0
         self.stats = Stats()
-        self.faults = faults.from_env()
+        self.faults = faults.from_env()  # test-only fault injection; None unless asked for in the environment
         self.poller = zmq.Poller()
         self.poller.register(router, zmq.POLLIN)
         self.stop_event = threading.Event()
@@ -605,10 +604,8 @@ class Node:
 
     def _send_chunk(self, ident: bytes, index: int) -> None:
         data = self.store.chunk(index)
-        if self.forge is not None:
-            data = self.forge.outgoing(index, data)
         if self.faults is not None:
-            data = self.faults.outgoing(data)
+            data = self.faults.outgoing(index, data)
             if data is None:
                 return
         if self._send(ident, protocol.chunk_header(index), data, copy=False):
