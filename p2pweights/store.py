@@ -78,16 +78,17 @@ class Store:
         """Mark chunk ``index`` verified (its hash matched), hand it to sinks, wake waiters."""
         if self.have[index]:
             return
+        data = self.chunk(index)
         for sink in self.sinks:
-            sink.put(index, self.chunk(index))
+            sink.put(index, data)
+        now = time.monotonic()
         with self.cond:
             self.have[index] = True
             self.count += 1
-            if self.first_at is None:
-                self.first_at = time.monotonic()
-            self.bytes += len(self.chunk(index))
+            self.bytes += len(data)
+            self.first_at = self.first_at or now
             if self.complete:
-                self.done_at = time.monotonic()
+                self.done_at = now
             self.cond.notify_all()
 
     def hold_all(self) -> None:
