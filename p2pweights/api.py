@@ -18,7 +18,7 @@ import zmq
 from . import catalog, keys, protocol
 from .cache import DiskCache
 from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, ManifestError, build, check_model_id
-from .node import DEFAULT_WINDOW, PARENT_TIMEOUT, Node, bind_router, tcp
+from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
 from .store import Store, StoreClosed, host_buffer
 from .formats import checkpoint_files
@@ -29,6 +29,7 @@ from .tracker import Tracker
 log = logging.getLogger("p2pw")
 
 DEFAULT_PORT = 7420
+DEFAULT_PLAN = "forest:2"  # measured best (README: broadcast results); the others stay for comparison
 MAX_REDIRECTS = 4
 MAX_STRIPES = 64  # parents a WELCOME may name (one link each)
 
@@ -63,7 +64,7 @@ class Seeder:
     """A running seeder: serves the checkpoint at ``path`` and runs the tracker."""
 
     def __init__(self, path, *, port: int = DEFAULT_PORT, host: str = "0.0.0.0",
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, topology: str = "binomial", hash: str = "xxh3_64",
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, topology: str = DEFAULT_PLAN, hash: str = "xxh3_64",
                  advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
                  max_peers: int = 10_000, manifest: str | None = None):
         self.path = os.fspath(path)
@@ -179,9 +180,8 @@ class Download:
 
     @property
     def parents(self) -> list[dict]:
-        """Our parent in each stripe now (the tracker may have moved us since we joined)."""
-        return [{"rank": u.rank, "addr": u.addr, "stripe": u.stripe}
-                for u in sorted(list(self.node.upstreams), key=lambda u: u.stripe)]
+        """Our planned source in each stripe now (the tracker may have moved us since we joined)."""
+        return self.node.parents()
 
     @property
     def stats(self):
@@ -199,6 +199,7 @@ class Download:
     def wait_range(self, lo: int, hi: int, timeout: float | None = None) -> None:
         """Return once every chunk covering bytes [lo, hi) of the blob is verified."""
         chunks = self.manifest.chunks_covering(lo, hi)
+        self.node.prioritize(chunks)
         if not (self.loader.wait_chunks(chunks, timeout) if self.loader else self._wait(chunks, timeout)):
             have = int(self.store.have[chunks.start:chunks.stop].sum())
             raise TimeoutError(f"bytes [{lo}, {hi}) not complete after {timeout} s: "
@@ -328,14 +329,17 @@ def _welcome_manifest(event, addr: str, model_id: str | None) -> Manifest:
 def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0.0.0",
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
          connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
-         key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT) -> Download:
+         key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT,
+         give_up_after: float = GIVE_UP_AFTER) -> Download:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.
     ``out``: write the checkpoint's files there.  ``model_id``: refuse any
     other checkpoint.  ``connect_timeout``: how long to keep trying a parent
     that is not up yet.  ``parent_timeout``: a parent silent this long is
-    given up for another (the tracker names it).  ``device`` ('cpu', 'cuda:N'): stream verified chunks
+    given up for another (the tracker names it).  ``give_up_after``: fail once
+    no chunk has arrived from anyone for this long (the seeder and every holder
+    gone); verified chunks stay on disk for a resume.  ``device`` ('cpu', 'cuda:N'): stream verified chunks
     into one buffer there, for ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.
     ``key`` (``keys.load(DIR)``): CURVE-encrypt and authenticate every link.
     """
@@ -371,13 +375,15 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         ctx.destroy(0)
         raise
     node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window,
-                key=key, parent_timeout=parent_timeout, hello=hello)
+                key=key, parent_timeout=parent_timeout, hello=hello, give_up_after=give_up_after)
     recovered = cache.recover(store) if cache is not None else []
+    for index in recovered:  # chunks an earlier run left on disk: verified again, never fetched again
+        node.pull.verified(index)
     node.attach_tracker(link, tracker_addr, welcome["rank"])
-    for p in welcome["parents"]:
-        node.add_parent(p["stripe"], welcome["stripes"], p["addr"] or tracker_addr, p["rank"])
+    partners = welcome.get("partners") if isinstance(welcome.get("partners"), list) else []
+    node.set_plan(welcome["parents"], partners, welcome["stripes"])
     if cache is not None:
-        cache.on_error = node._fail
+        cache.on_error = node.fail
         node.extra_done.append(cache.finished.is_set)
         store.sinks.append(cache)
     loader = None

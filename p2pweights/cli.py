@@ -89,7 +89,10 @@ def serve_until_signalled(finished=lambda: False, every: float = 0.1) -> None:
 def cmd_seed(args) -> int:
     from .api import seed
 
+    from .api import DEFAULT_PLAN
+
     key = load_key(args.key)
+    args.topology = args.topology or DEFAULT_PLAN
     if args.topology.strip().lower() == "auto" and args.expect:
         args.topology = f"auto:{args.expect}"
     s = seed(args.path, port=args.port, host=args.host, chunk_size=args.chunk_size, topology=args.topology,
@@ -161,7 +164,7 @@ def cmd_join(args) -> int:
 
     dl = join(args.parent, out=args.out, port=args.port, host=args.host, advertise=args.advertise,
               model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device,
-              parent_timeout=args.parent_timeout,
+              parent_timeout=args.parent_timeout, give_up_after=args.give_up_after,
               key=load_key(args.key))
     bar = None if args.quiet else ProgressBar(dl)
     try:
@@ -184,7 +187,7 @@ def cmd_join(args) -> int:
                              "bytes": p["total"], "refetched": st.refetched, "bad_chunks": st.bad_chunks,
                              "bytes_sent": st.bytes_sent, "model_id": dl.model_id, "listen": dl.listen,
                              "resumed": st.resumed, "received": st.chunks_received, "stalled": st.stalled,
-                             "reparented": st.reparented,
+                             "reparented": st.reparented, "switches": st.switches, "duplicates": st.duplicates,
                              # wall clock (epoch s) of join() and of the last verified chunk, for benchmarks
                              # that compare peers in separate processes against one common start
                              "started_at": wall + dl.started,
@@ -272,8 +275,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--advertise", help="address peers should use to reach this host (default: the one they used)")
     s.add_argument("--chunk-size", type=size, default=DEFAULT_CHUNK_SIZE)
-    s.add_argument("--topology", default="binomial",
-                   help="binomial (default), chain, star, kary:K, striped:K, auto (picks from --expect)")
+    s.add_argument("--topology", default=None, metavar="PLAN",
+                   help="the plan: forest:K (default forest:2: K interior-disjoint stripe trees, every peer "
+                        "also pulls from partners), or binomial, chain, star, kary:K, striped:K, auto "
+                        "(picks from --expect), kept to compare against")
     s.add_argument("--expect", type=int, metavar="N", help="peers expected (how --topology auto chooses; default 16)")
     s.add_argument("--window", type=int, default=8, help="credit window: requests a child keeps outstanding")
     s.add_argument("--exit-after", type=int, default=0, metavar="N", help="exit once N peers are done and gone")
@@ -301,7 +306,10 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--window", type=int, default=8)
     j.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep trying the parent")
     j.add_argument("--parent-timeout", type=float, default=5.0,
-                   help="seconds of silence after which a parent is given up for another")
+                   help="seconds of silence after which a partner is given up (a planned one for another)")
+    j.add_argument("--give-up-after", type=float, default=300.0, metavar="S",
+                   help="exit 1 once no chunk arrived from anyone for S seconds (the seeder and every holder "
+                        "gone), keeping verified chunks for a resume (default 300)")
     j.add_argument("--report", help="write a JSON summary to this file")
     j.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     j.add_argument("--device", help="stream chunks into one buffer on this torch device (cpu, cuda:N) "

@@ -233,7 +233,7 @@ class Loader:
     def __init__(self, node, store, device: str, started: float):
         self.store, self.manifest, self.started = store, store.manifest, started
         dev = parse_device(device)
-        self.sink = CudaSink(store, str(dev), on_error=node._fail) if dev.type == "cuda" else HostSink(store)
+        self.sink = CudaSink(store, str(dev), on_error=node.fail) if dev.type == "cuda" else HostSink(store)
         store.sinks.append(self.sink)
         self.verify = [0.0]
         node.digest = timed(node.digest, self.verify)

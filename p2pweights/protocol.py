@@ -14,10 +14,14 @@ copies); WELCOME carries the manifest JSON as a second frame.
 Theory of operation.  A joiner sends HELLO to any node.  The seeder (which
 runs the tracker) answers WELCOME with the manifest, the joiner's rank and its
 parent per stripe; any other node answers REDIRECT to the tracker.  The peer
-then ATTACHes to each parent and pulls chunks with REQUESTs, never more than
-its credit window outstanding: a parent sends only what was asked for, so a
-slow child slows nobody else.  Peers report DONE to the tracker and ask to
-LEAVE; the tracker lets a peer go once the children that depend on it are done.
+then ATTACHes to each partner (its planned parent per stripe and a few
+more); the partner answers ATTACHED with the bitfield of what it holds and
+then streams batched HAVEs.  The peer pulls chunks from any partner that holds
+them with REQUESTs, never more than that link's credit window outstanding: a
+partner sends only what was asked for, so a slow link slows nobody else.  An
+endgame duplicate that lost the race is withdrawn with CANCEL.  Peers report
+DONE to the tracker and ask to LEAVE; the tracker lets a peer go once the
+peers that depend on it are done.
 """
 from __future__ import annotations
 
@@ -44,21 +48,23 @@ class VersionMismatch(ProtocolError):
 
 class Msg(IntEnum):
     HELLO = 1       # joiner -> any node: {peer_id, listen, model_id?, have?}
-    WELCOME = 2     # tracker -> joiner: {rank, parents, stripes, tracker} + manifest frame
+    WELCOME = 2     # tracker -> joiner: {rank, parents, stripes, tracker, partners?} + manifest frame
     REDIRECT = 3    # node -> joiner: {tracker}
     ERROR = 4       # any -> any: {message, fatal}
-    ATTACH = 5      # child -> parent: {peer_id, rank, model_id}
-    ATTACHED = 6    # parent -> child: {}
-    REQUEST = 7     # child -> parent: u32 indices
-    CHUNK = 8       # parent -> child: u32 index + payload frame
+    ATTACH = 5      # peer -> partner: {peer_id, rank, model_id}
+    ATTACHED = 6    # partner -> peer: {n_chunks} + bitfield frame of what it holds
+    REQUEST = 7     # peer -> partner: u32 indices
+    CHUNK = 8       # partner -> peer: u32 index + payload frame
     DONE = 9        # peer -> tracker: {rank, bytes, seconds}
     LEAVE = 10      # peer -> tracker: {rank}
     LEAVE_OK = 11   # tracker -> peer: {}
     LEAVE_WAIT = 12  # tracker -> peer: {waiting_for}
-    HEARTBEAT = 13  # either way: {}
-    REPARENT = 14   # tracker -> peer: {parents}
+    HEARTBEAT = 13  # either way: {}; peer -> tracker adds {have, links: {rank: bytes/s}} (what it measures)
+    REPARENT = 14   # tracker -> peer: {parents, partners?}: its plan changed
     BYE = 15        # peer -> tracker: {rank}; it is leaving now, serve nobody from it
     ORPHAN = 16     # peer -> tracker: {rank, stripe, parent, reason, dead}; another parent in that stripe
+    HAVE = 17       # partner -> peer: u32 indices it verified since the last HAVE
+    CANCEL = 18     # peer -> partner: u32 indices no longer wanted (an endgame duplicate arrived)
 
 
 # Required JSON fields of each control message and their types.
@@ -68,7 +74,7 @@ SCHEMA: dict[Msg, dict[str, type | tuple]] = {
     Msg.REDIRECT: {"tracker": str},
     Msg.ERROR: {"message": str},
     Msg.ATTACH: {"peer_id": str, "rank": int, "model_id": str},
-    Msg.ATTACHED: {},
+    Msg.ATTACHED: {"n_chunks": int},
     Msg.DONE: {"rank": int},
     Msg.LEAVE: {"rank": int},
     Msg.LEAVE_OK: {},
@@ -78,7 +84,8 @@ SCHEMA: dict[Msg, dict[str, type | tuple]] = {
     Msg.BYE: {"rank": int},
     Msg.ORPHAN: {"rank": int, "stripe": int, "parent": int, "reason": str},
 }
-PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1}
+PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1, Msg.ATTACHED: 1}  # ATTACHED: the bitfield (packbits)
+INDEX_LISTS = (Msg.REQUEST, Msg.HAVE, Msg.CANCEL)  # bodies of u32 chunk indices
 
 
 @dataclass
@@ -102,7 +109,18 @@ def control(kind: Msg, **fields) -> bytes:
 
 def request(indices) -> bytes:
     """REQUEST header for chunk ``indices``."""
-    return _header(Msg.REQUEST) + struct.pack(f"<{len(indices)}I", *indices)
+    return chunk_list(Msg.REQUEST, indices)
+
+
+def chunk_list(kind: Msg, chunks) -> bytes:
+    """REQUEST, HAVE or CANCEL header for chunk indices ``chunks`` (at most MAX_REQUEST of them)."""
+    return _header(kind) + struct.pack(f"<{len(chunks)}I", *chunks)
+
+
+def batches(chunks, size: int = MAX_REQUEST):
+    """``chunks`` cut into lists of at most ``size`` (one message each)."""
+    chunks = list(chunks)
+    return [chunks[i:i + size] for i in range(0, len(chunks), size)]
 
 
 def chunk_header(index: int) -> bytes:
@@ -124,9 +142,9 @@ def decode_header(frame: bytes) -> Event:
     except ValueError:
         raise ProtocolError(f"unknown message type {kind}") from None
     body = memoryview(frame)[HEADER.size:]
-    if kind == Msg.REQUEST:
+    if kind in INDEX_LISTS:
         if len(body) % 4 or not body or len(body) // 4 > MAX_REQUEST:
-            raise ProtocolError(f"REQUEST body of {len(body)} bytes is not 1..{MAX_REQUEST} u32 indices")
+            raise ProtocolError(f"{kind.name} body of {len(body)} bytes is not 1..{MAX_REQUEST} u32 indices")
         return Event(kind, indices=list(struct.unpack(f"<{len(body) // 4}I", body)))
     if kind == Msg.CHUNK:
         if len(body) != INDEX.size:
@@ -174,6 +192,7 @@ SERVER_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("child", Msg.REQUEST): "child",
     ("child", Msg.HEARTBEAT): "child",
     ("child", Msg.ATTACH): "child",
+    ("child", Msg.CANCEL): "child",
 }
 
 # What a peer accepts from its tracker and from a parent, by state.
@@ -189,6 +208,7 @@ CLIENT_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("attaching", Msg.HEARTBEAT): "attaching",
     ("attached", Msg.CHUNK): "attached",
     ("attached", Msg.HEARTBEAT): "attached",
+    ("attached", Msg.HAVE): "attached",
 }
 
 

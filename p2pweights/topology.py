@@ -19,6 +19,14 @@ The rules (``r`` is a peer rank, ``k`` a parameter):
 * ``striped:k`` k stripe trees (SplitStream-like, see :class:`Striped`): every
   peer is interior in at most one stripe tree, so it uploads about one copy.
 * ``star``      parent = 0 for everyone (no forwarding): the baseline.
+* ``forest:k``  k interior-disjoint stripe trees placed as peers join (see
+  :class:`Forest`): every uplink carries about one copy, the seeder exactly
+  one, depth about log_k(N); slow hosts are leaves.  The default.
+
+The rule-based plans above are pure functions of the rank; ``Forest`` keeps
+the state of its placement (who has free slots where) and is changed only
+through its verbs (``place``, ``remove``, ``demote``), each returning the moves
+the tracker must announce.
 
 ``auto(n_expected)`` picks one of them for a fleet size (see its docstring).
 No sockets here: the tracker applies these rules, the simulator predicts them.
@@ -147,7 +155,188 @@ class Striped:
         return out
 
 
-TOPOLOGIES = {"binomial": Binomial, "chain": Chain, "star": Star, "kary": KAry, "striped": Striped}
+class Forest:
+    """k stripe trees in which every peer is interior in at most one (SplitStream), placed greedily.
+
+    A peer joins group ``g``, the group with the fewest members, and is
+    interior only in stripe tree ``g``, where it has ``k * share`` child slots
+    (``share``: its uplink over the fleet's; 1 unless the tracker knows
+    better), so each child gets 1/k of the model from it and its uplink carries
+    about one copy.  The seeder has one slot per stripe: it sends each chunk
+    once.  In every stripe a newcomer takes the shallowest free slot (a parent
+    of the stripe's group, or the seeder); where none is free, the least
+    loaded one.  When a group member joins, it adopts leaves from overloaded
+    parents of its stripe (``place`` returns those moves).  ``demote`` makes a
+    slow host a leaf everywhere; ``remove`` re-places a departed peer's children.
+    """
+
+    def __init__(self, k: int = 2):
+        self.k = self.stripes = _check_k(k, "forest")
+        self.name = f"forest:{self.k}"
+        self.group: dict[int, int | None] = {}  # rank -> stripe it is interior in (None: leaf everywhere)
+        self.slots: dict[int, int] = {0: 1}  # rank -> child slots in its interior stripe
+        self.parent: list[dict[int, int]] = [{} for _ in range(self.k)]  # per stripe: rank -> parent
+        self.kids: list[dict[int, set]] = [{0: set()} for _ in range(self.k)]
+        self.depth: list[dict[int, int]] = [{0: 0} for _ in range(self.k)]
+
+    # ----- queries -----------------------------------------------------------
+
+    def parents(self, rank: int) -> list[int]:
+        _check_rank(rank)
+        return [self.parent[s][rank] for s in range(self.k)]
+
+    def interior_in(self, rank: int, stripe: int) -> bool:
+        return rank == 0 or self.group.get(rank) == stripe
+
+    def load(self, rank: int, stripe: int) -> int:
+        return len(self.kids[stripe].get(rank, ()))
+
+    def capacity(self, rank: int, stripe: int) -> int:
+        return self.slots.get(rank, 0) if self.interior_in(rank, stripe) else 0
+
+    # ----- verbs -------------------------------------------------------------
+
+    def place(self, rank: int, share: float = 1.0) -> list[tuple[int, int]]:
+        """Place newcomer ``rank``; returns the ``(rank, stripe)`` moves of others this caused."""
+        _check_rank(rank)
+        if rank in self.group:
+            raise ValueError(f"rank {rank} is placed already")
+        slots = max(0, round(self.k * share))
+        members = [sum(1 for g in self.group.values() if g == s) for s in range(self.k)]
+        self.group[rank] = min(range(self.k), key=lambda s: (members[s], s)) if slots else None
+        self.slots[rank] = slots
+        for s in range(self.k):
+            self.kids[s][rank] = set()
+            self._attach(rank, s, self._best_parent(s, exclude={rank}))
+        return self._settle()
+
+    def remove(self, rank: int) -> list[tuple[int, int]]:
+        """``rank`` is gone: re-place its children; returns the ``(child, stripe)`` moves."""
+        if rank not in self.group:
+            return []
+        moves = []
+        for s in range(self.k):
+            p = self.parent[s].pop(rank)
+            self.kids[s][p].discard(rank)
+            self.depth[s].pop(rank)
+            for c in sorted(self.kids[s].pop(rank)):
+                del self.parent[s][c]
+                moves.append(self._move(c, s))
+        del self.group[rank], self.slots[rank]
+        return _unique(moves + self._settle())
+
+    def demote(self, rank: int) -> list[tuple[int, int]]:
+        """``rank``'s uplink is too slow to forward: make it a leaf everywhere; returns the moves."""
+        g = self.group.get(rank)
+        if g is None or rank not in self.group:
+            return []
+        self.group[rank], self.slots[rank] = None, 0
+        moves = [self._move(c, g) for c in sorted(self.kids[g][rank])]
+        return _unique(moves + self._settle())
+
+    def move(self, rank: int, stripe: int, avoid: int) -> tuple[int, int]:
+        """``rank`` gives up its parent ``avoid`` in ``stripe`` (bad chunks): the best other parent."""
+        exclude = self._subtree(rank, stripe) | {avoid}
+        self._detach(rank, stripe)
+        self._attach(rank, stripe, self._best_parent(stripe, exclude))
+        return rank, stripe
+
+    # ----- internals ---------------------------------------------------------
+
+    def _attach(self, rank: int, s: int, parent: int) -> None:
+        self.parent[s][rank] = parent
+        self.kids[s][parent].add(rank)
+        self._set_depth(rank, s, self.depth[s][parent] + 1)
+
+    def _detach(self, rank: int, s: int) -> None:
+        self.kids[s][self.parent[s].pop(rank)].discard(rank)
+
+    def _move(self, rank: int, s: int, to: int | None = None) -> tuple[int, int]:
+        """Re-attach ``rank`` (with its subtree) in stripe ``s``: under ``to``, else the best parent."""
+        if rank in self.parent[s]:
+            self._detach(rank, s)
+        self._attach(rank, s, to if to is not None else self._best_parent(s, exclude=self._subtree(rank, s)))
+        return rank, s
+
+    def _set_depth(self, rank: int, s: int, d: int) -> None:
+        todo = [(rank, d)]
+        while todo:
+            r, d = todo.pop()
+            self.depth[s][r] = d
+            todo.extend((c, d + 1) for c in self.kids[s].get(r, ()))
+
+    def _subtree(self, rank: int, s: int) -> set[int]:
+        out, todo = set(), [rank]
+        while todo:
+            r = todo.pop()
+            out.add(r)
+            todo.extend(self.kids[s].get(r, ()))
+        return out
+
+    def _best_parent(self, s: int, exclude: set) -> int:
+        """The shallowest parent with a free slot in stripe ``s``, else the least overloaded
+        (the seeder last: it sends each chunk once)."""
+        cands = [r for r in self.kids[s] if r not in exclude and self.capacity(r, s) > 0]
+        if not cands:
+            return 0
+
+        def key(r):
+            full = self.load(r, s) >= self.capacity(r, s)
+            return full, full and r == 0, self.load(r, s) - self.capacity(r, s), self.depth[s][r], r
+        return min(cands, key=key)
+
+    def _settle(self) -> list[tuple[int, int]]:
+        """Restore the invariants after a change; returns the moves.
+
+        In every stripe: no leaf sits shallower than a forwarder (they swap
+        places), and no parent is over its slots while another has one free."""
+        moves = []
+        for s in range(self.k):
+            for _ in range(4 * len(self.kids[s])):  # each step strictly improves; bound it anyway
+                step = self._swap_up(s) or self._unload(s)
+                if not step:
+                    break
+                moves.extend(step)
+        return _unique(moves)
+
+    def _swap_up(self, s: int) -> list[tuple[int, int]]:
+        leaves = [r for r in self.kids[s] if r and not self.interior_in(r, s) and not self.kids[s][r]]
+        inner = [r for r in self.kids[s] if r and self.interior_in(r, s) and self.slots.get(r)]
+        if not leaves or not inner:
+            return []
+        leaf = min(leaves, key=lambda r: (self.depth[s][r], -r))
+        deep = min((r for r in inner if self.depth[s][r] > self.depth[s][leaf]),
+                   key=lambda r: (self.depth[s][r], r), default=None)
+        if deep is None:
+            return []
+        up, down = self.parent[s][leaf], self.parent[s][deep]
+        self._detach(leaf, s)
+        self._detach(deep, s)
+        self._attach(deep, s, up)
+        self._attach(leaf, s, down if down != leaf else deep)
+        return [(deep, s), (leaf, s)]
+
+    def _unload(self, s: int) -> list[tuple[int, int]]:
+        over = [r for r in self.kids[s] if self.load(r, s) > self.capacity(r, s)]
+        free = sorted((r for r in self.kids[s] if self.load(r, s) < self.capacity(r, s)),
+                      key=lambda r: (self.depth[s][r], r))
+        for src in sorted(over, key=lambda r: (r != 0, r)):
+            for child in sorted(self.kids[s][src], key=lambda c: (bool(self.kids[s][c]), -c)):
+                subtree = self._subtree(child, s)
+                dst = next((r for r in free if r not in subtree), None)
+                if dst is None and src == 0:  # the seeder sends each chunk once: a peer takes one more instead
+                    dst = self._best_parent(s, exclude=subtree | {0})
+                    dst = dst if dst != 0 else None
+                if dst is not None and (src == 0 or self.depth[s][dst] <= self.depth[s][src] + 1):
+                    return [self._move(child, s, to=dst)]
+        return []
+
+
+def _unique(moves: list) -> list:
+    return list(dict.fromkeys(moves))
+
+
+TOPOLOGIES = {"binomial": Binomial, "chain": Chain, "star": Star, "kary": KAry, "striped": Striped, "forest": Forest}
 
 
 def make(name: str, **opts):
@@ -165,9 +354,9 @@ def make(name: str, **opts):
     cls = TOPOLOGIES.get(base)
     if cls is None:
         raise ValueError(f"unknown topology {name!r}; known: "
-                         f"{', '.join(sorted(TOPOLOGIES))}, kary:K, striped:K, auto")
+                         f"{', '.join(sorted(TOPOLOGIES))}, kary:K, striped:K, forest:K, auto")
     if arg:
-        if cls not in (KAry, Striped):
+        if cls not in (KAry, Striped, Forest):
             raise ValueError(f"topology {base!r} takes no parameter (got {name!r})")
         try:
             opts["k"] = int(arg)

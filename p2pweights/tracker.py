@@ -1,19 +1,29 @@
 """Tracker: fleet membership, kept by the seeder; it never moves chunk bytes.
 
-It gives each joining peer a rank in join order and its parent in every stripe
-tree by the topology's rule, skipping parents that have left (the orphan goes
-to the nearest live ancestor).  It records who is done and lets a peer leave
-only once no unfinished peer depends on it, so a relay never strands its
-subtree.  Pure state: the node feeds it events and sends what it returns.
+It gives each joining peer a rank in join order, its planned parent in every
+stripe tree (the plan: a ``Forest`` placed as peers join, or a rule-based
+topology, skipping parents that have left), and a few partners: other peers
+it may also pull from.  Peers report the rate they get from each partner; a
+host whose uplink delivers well below the fleet's is demoted to a leaf
+(``slow_hosts``).  It records who is done and lets a peer leave only once no
+unfinished peer depends on it, so a relay never strands its subtree.  Pure
+state with an injected clock: the endpoint (``endpoint.TrackerEndpoint``) feeds
+it events and sends what it returns.
 """
 from __future__ import annotations
 
+import random
+import statistics
 import time
 from dataclasses import dataclass, field
 
 from .topology import live_parent
 
 ROOT = 0
+PARTNERS = 4  # partners a joiner is given besides its planned parents
+MAX_PARTNERS = 8  # partners one peer is given in all (newcomers also partner with earlier peers)
+SLOW_FRACTION = 0.5  # a host delivering below this share of the fleet's median uplink is demoted
+SLOW_EVIDENCE = 2  # consecutive rate reviews that must find a host slow before it is demoted
 
 
 @dataclass
@@ -29,6 +39,11 @@ class Member:
     left: bool = False
     seconds: float | None = None
     seen: float = field(default_factory=time.monotonic)
+    partners: list[int] = field(default_factory=list)
+    rates: dict[int, float] = field(default_factory=dict)  # partner rank -> bytes/s it delivers to this peer
+    have: int = 0  # chunks verified, as last reported
+    slow_seen: int = 0  # consecutive reviews that found its uplink slow
+    demoted: bool = False
 
 
 class TrackerError(ValueError):
@@ -38,12 +53,16 @@ class TrackerError(ValueError):
 class Tracker:
     """Membership and tree placement for one broadcast."""
 
-    def __init__(self, topology, root_listen: str, max_peers: int = 10_000):
+    def __init__(self, topology, root_listen: str, max_peers: int = 10_000, clock=time.monotonic):
         self.topology = topology
         self.root_listen = root_listen
         self.max_peers = max_peers
+        self.clock = clock
         self.members: dict[int, Member] = {}
         self.by_peer_id: dict[str, int] = {}
+        self.placed = hasattr(topology, "place")  # a stateful plan (Forest), not a rule of the rank
+        self.moved: list[int] = []  # ranks whose plan changed as a side effect, not yet announced
+        self.rng = random.Random(0x9E3779B9)
 
     def alive(self) -> set[int]:
         return {r for r, m in self.members.items() if not m.left}
@@ -57,18 +76,56 @@ class Tracker:
         known = self.by_peer_id.get(peer_id)
         if known is not None:
             m = self.members[known]
-            m.listen, m.left = listen, False
+            was_left, m.listen, m.left = m.left, listen, False
+            moves = self.topology.place(known) if self.placed and was_left else []
             m.parents = self._place(known)
+            self._note(moves)
+            m.seen = self.clock()
             return m
         if len(self.alive()) >= self.max_peers:
             raise TrackerError(f"tracker is full ({self.max_peers} peers)")
         if rank is None or rank < 1 or rank in self.members:
             rank = max(self.members, default=0) + 1
-        m = Member(rank, peer_id, listen, [])
+        m = Member(rank, peer_id, listen, [], joined=self.clock(), seen=self.clock())
         self.members[rank] = m
         self.by_peer_id[peer_id] = rank
+        moves = self.topology.place(rank) if self.placed else []
         m.parents = self._place(rank)
+        self._note(moves)
+        self._partner(m)
         return m
+
+    def _partner(self, m: Member) -> None:
+        """Give newcomer ``m`` up to PARTNERS partners among the live peers, and it to them."""
+        others = [r for r in sorted(self.alive()) if r != m.rank and r not in m.parents]
+        for r in self.rng.sample(others, min(PARTNERS, len(others))):
+            self._link(m.rank, r)
+        for r in others:  # early peers had nobody to partner with: fill them up too
+            if len(m.partners) >= MAX_PARTNERS:
+                break
+            if len(self.members[r].partners) < PARTNERS:
+                self._link(m.rank, r)
+
+    def _link(self, a: int, b: int) -> None:
+        for x, y in ((a, b), (b, a)):
+            if y not in self.members[x].partners:
+                self.members[x].partners.append(y)
+                if x != a:
+                    self.moved.append(x)
+
+    def _note(self, moves) -> None:
+        """Apply a plan's moves to the members' parent lists; remember whom to tell."""
+        for rank, stripe in moves:
+            m = self.members.get(rank)
+            if m is not None and not m.left:
+                m.parents[stripe] = self.topology.parent[stripe][rank]
+                self.moved.append(rank)
+
+    def take_moved(self) -> list[int]:
+        """Ranks whose parents or partners changed since the last call (each must be told)."""
+        out = list(dict.fromkeys(r for r in self.moved if r in self.members and not self.members[r].left))
+        self.moved.clear()
+        return out
 
     def adoptions(self, member: Member) -> list[Member]:
         """Move peers under the newcomer ``member`` where the topology says so (``adopts``).
@@ -90,11 +147,17 @@ class Tracker:
         return moved
 
     def _place(self, rank: int) -> list[int]:
+        if self.placed:
+            return self.topology.parents(rank)
         alive = self.alive()
         return [live_parent(self.topology, rank, s, alive) for s in range(self.topology.stripes)]
 
     def parent_addrs(self, member: Member) -> list[dict]:
         return [{"rank": p, "addr": self.listen_of(p), "stripe": s} for s, p in enumerate(member.parents)]
+
+    def partner_addrs(self, member: Member) -> list[dict]:
+        return [{"rank": p, "addr": self.listen_of(p)} for p in member.partners
+                if p in self.members and not self.members[p].left]
 
     def done(self, rank: int, seconds: float | None = None) -> None:
         m = self._member(rank)
@@ -107,8 +170,10 @@ class Tracker:
     def leave(self, rank: int) -> list[int]:
         """Let ``rank`` leave if nobody depends on it; returns who it must still wait for."""
         waiting = self.dependents(rank)
-        if not waiting:
+        if not waiting and not self._member(rank).left:
             self._member(rank).left = True
+            if self.placed:
+                self._note(self.topology.remove(rank))
         return waiting
 
     def gone(self, rank: int) -> list[tuple[int, int]]:
@@ -116,7 +181,14 @@ class Tracker:
 
         Re-attaches its direct dependents to their nearest live ancestor (their own
         subtrees stay under them) and returns them as (rank, stripe) pairs to notify."""
-        self._member(rank).left = True
+        was_left, self._member(rank).left = self._member(rank).left, True
+        for m in self.members.values():
+            if rank in m.partners:
+                m.partners.remove(rank)
+        if self.placed:
+            moves = [] if was_left else self.topology.remove(rank)
+            self._note(moves)
+            return moves
         moved = []
         for m in self.members.values():
             if m.left:
@@ -143,12 +215,54 @@ class Tracker:
         if dead and parent != ROOT and parent in self.members:
             self.gone(parent)
         if m.parents[stripe] == parent:
-            m.parents[stripe] = self._ancestor(parent, stripe) if parent != ROOT else ROOT
+            if self.placed:
+                self._note([self.topology.move(rank, stripe, avoid=parent)])
+            else:
+                m.parents[stripe] = self._ancestor(parent, stripe) if parent != ROOT else ROOT
         return m.parents[stripe]
 
-    def touch(self, rank: int) -> None:
-        if rank in self.members:
-            self.members[rank].seen = time.monotonic()
+    def touch(self, rank: int, have: int | None = None, rates: dict | None = None) -> None:
+        """``rank`` is alive; it holds ``have`` chunks and gets ``rates`` (partner rank -> bytes/s)."""
+        m = self.members.get(rank)
+        if m is None:
+            return
+        m.seen = self.clock()
+        if have is not None:
+            m.have = have
+        if rates is not None:
+            m.rates = rates
+
+    def uplinks(self) -> dict[int, float]:
+        """Each live peer's delivered upload rate: what its partners report getting from it."""
+        up: dict[int, float] = {}
+        for m in self.members.values():
+            if m.left or m.done:
+                continue
+            for r, rate in m.rates.items():
+                if r != ROOT:
+                    up[r] = up.get(r, 0.0) + rate
+        return up
+
+    def slow_hosts(self) -> list[int]:
+        """Review the reported rates; demote hosts slow in SLOW_EVIDENCE reviews in a row.
+
+        Returns the demoted ranks (their moves are in ``take_moved``).  Only
+        forwarders are judged, against the median of the others' delivered rates."""
+        if not self.placed:
+            return []
+        up = self.uplinks()
+        demoted = []
+        for r, rate in up.items():
+            m = self.members.get(r)
+            if m is None or m.left or m.demoted or len(up) < 3:
+                continue
+            ref = statistics.median(v for k, v in up.items() if k != r)
+            m.slow_seen = m.slow_seen + 1 if rate < SLOW_FRACTION * ref else 0
+            if m.slow_seen >= SLOW_EVIDENCE:
+                m.demoted = True
+                self._note(self.topology.demote(r))
+                demoted.append(r)
+        return demoted
 
     def _member(self, rank: int) -> Member:
         try:

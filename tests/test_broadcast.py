@@ -41,16 +41,14 @@ def test_directory_to_n_peers(procs, tmp_path, model_dir, peers):
     blob = seed["total_size"]
     assert seed["bytes_read"] == sum(os.path.getsize(model_dir / f) for f in os.listdir(model_dir))
     assert seed["bytes_read"] <= blob
-    # the tree the tracker built follows the binomial rule, whatever order the peers joined in
-    # (a peer whose rule-parent had already finished and left hangs under that parent's nearest ancestor)
     ranks = sorted(r["rank"] for r in reports)
     assert ranks == list(range(1, peers + 1))
     for r in reports:
-        assert r["parents"][0] in ancestors(r["rank"]), (r, reports)
+        assert len(r["parents"]) == 2  # the default plan: two interior-disjoint stripe trees
         assert seed["peers"][str(r["rank"])]["done"]
-    # the seeder sent one copy per child of its own, not one per peer
-    seeder_children = sum(1 for r in reports if r["parents"] == [0])
-    assert seed["bytes_sent"] == seeder_children * blob
+    # the seeder sends each chunk about once (one slot per stripe), not one copy per peer; on loopback
+    # the first peer may fetch part of a stripe before that stripe's tree has a peer to forward it
+    assert blob <= seed["bytes_sent"] < 2 * blob, (seed["bytes_sent"], blob)
 
 
 @pytest.mark.parametrize("peers", [1, 3])
@@ -65,7 +63,8 @@ def test_single_file(procs, tmp_path, peers):
 
 
 def test_join_through_a_peer_lands_where_the_tracker_says(procs, tmp_path, model_dir):
-    seeder, info = procs.seeder(model_dir, "--chunk-size", CHUNK, "--report", tmp_path / "seed.json")
+    seeder, info = procs.seeder(model_dir, "--chunk-size", CHUNK, "--report", tmp_path / "seed.json",
+                                "--topology", "binomial")
     first = procs.join(info["port"], tmp_path / "a", "--report", tmp_path / "a.json", "--stay")
     first.wait_line("staying to serve")
     a = json.loads((tmp_path / "a.json").read_text())

@@ -40,7 +40,9 @@ def wait_fraction(path, total, fraction, proc, timeout=60):
 
 
 def start_tree(procs, tmp_path, model, n, env_for=lambda rank: SLOW, seeder_env=None):
-    seeder, info = procs.seeder(model, "--chunk-size", "64KiB", env=seeder_env)
+    """A binomial plan (its repair rules are what these tests pin down); tests/faults/test_swarm.py
+    covers the default plan."""
+    seeder, info = procs.seeder(model, "--chunk-size", "64KiB", "--topology", "binomial", env=seeder_env)
     peers = {}
     for rank in range(1, n + 1):
         peers[rank] = procs.join(info["port"], tmp_path / f"r{rank}", "--stay", "--report", tmp_path / f"r{rank}.json",
@@ -174,7 +176,7 @@ def test_source_changed_under_a_running_seeder_is_reported_not_served(procs, tmp
 
 def test_alive_parent_that_sends_nothing_is_replaced(procs, tmp_path, model):
     """Rank 1 answers heartbeats but drops every chunk it should forward: rank 3 moves up and finishes."""
-    seeder, info = procs.seeder(model, "--chunk-size", "64KiB")
+    seeder, info = procs.seeder(model, "--chunk-size", "64KiB", "--topology", "binomial")
     env = {1: {"P2PW_FAULTS": "drop=1.0"}, 2: None, 3: None}
     peers = {}
     for rank in (1, 2, 3):

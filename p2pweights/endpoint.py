@@ -1,0 +1,163 @@
+"""Tracker endpoint: the seeder's handlers for its members' messages (sans-IO).
+
+It turns a member's HELLO, DONE, LEAVE, BYE, ORPHAN and HEARTBEAT into calls
+on the ``Tracker`` and returns the messages to send (``(ident, frames)``
+pairs, taken with ``take``): WELCOME with the manifest and the joiner's plan,
+REPARENT to every member whose plan changed, LEAVE_OK / LEAVE_WAIT, ERROR.
+It also reviews the reported rates (``review``) and demotes slow hosts.  The
+node only routes frames to it and sends what it returns.
+"""
+from __future__ import annotations
+
+import logging
+
+from . import protocol
+from .protocol import Msg, ProtocolError
+from .tracker import TrackerError
+
+log = logging.getLogger("p2pw")
+
+MAX_NAME = 256  # longest peer id or listen address a HELLO may carry
+REVIEW_INTERVAL = 1.0  # seconds between reviews of the reported rates
+
+
+class TrackerEndpoint:
+    """Member connections of the seeder's ROUTER, by ZeroMQ identity."""
+
+    def __init__(self, tracker, manifest, clock):
+        self.tracker = tracker
+        self.manifest = manifest
+        self.manifest_frame = manifest.to_json().encode()
+        self.clock = clock
+        self.members: dict[bytes, int] = {}  # ident -> rank
+        self.out: list[tuple[bytes, list]] = []
+        self.next_review = 0.0
+
+    def take(self) -> list[tuple[bytes, list]]:
+        out, self.out = self.out, []
+        return out
+
+    def _send(self, ident: bytes, *frames) -> None:
+        self.out.append((ident, list(frames)))
+
+    def ident_of(self, rank: int) -> bytes | None:
+        return next((i for i, r in self.members.items() if r == rank), None)
+
+    def who(self, ident: bytes) -> str | None:
+        rank = self.members.get(ident)
+        return None if rank is None else f"peer {self.tracker.members[rank].peer_id} (rank {rank})"
+
+    # ----- events ------------------------------------------------------------
+
+    def hello(self, ident: bytes, f: dict) -> bool:
+        """A joiner (or a peer re-introducing itself); False if refused (forget the connection)."""
+        want = f.get("model_id")
+        if want and not self.manifest.model_id.startswith(str(want).lower()):
+            self._send(ident, protocol.control(
+                Msg.ERROR, message=f"model id mismatch: you want {want}, this seeder serves "
+                                   f"{self.manifest.model_id}", fatal=True))
+            return False
+        if len(f["peer_id"]) > MAX_NAME or len(f["listen"]) > MAX_NAME:
+            raise ProtocolError(f"HELLO peer_id or listen address longer than {MAX_NAME} characters")
+        try:
+            old_rank = f.get("rank") if isinstance(f.get("rank"), int) else None
+            member = self.tracker.join(f["peer_id"], f["listen"], rank=old_rank)
+        except TrackerError as e:
+            self._send(ident, protocol.control(Msg.ERROR, message=str(e), fatal=True))
+            return False
+        self.members[ident] = member.rank
+        log.info("peer %s joined as rank %d under %s", f["peer_id"], member.rank,
+                 ", ".join(f"rank {p}" for p in member.parents))
+        self._send(ident, protocol.control(
+            Msg.WELCOME, rank=member.rank, parents=self.tracker.parent_addrs(member),
+            partners=self.tracker.partner_addrs(member), stripes=self.tracker.topology.stripes,
+            tracker=self.tracker.root_listen), self.manifest_frame)
+        for moved in self.tracker.adoptions(member):
+            self.tracker.moved.append(moved.rank)
+        self._announce(skip=member.rank)
+        return True
+
+    def done(self, ident: bytes, f: dict) -> None:
+        rank = self.members.get(ident)
+        if rank is not None:
+            self.tracker.done(rank)
+            log.info("peer rank %d is done", rank)
+
+    def leave(self, ident: bytes, f: dict) -> None:
+        rank = self.members.get(ident)
+        if rank is None:
+            raise ProtocolError("LEAVE from a connection that never joined")
+        waiting = self.tracker.leave(rank)
+        self._send(ident, protocol.control(Msg.LEAVE_WAIT, waiting_for=waiting) if waiting
+                   else protocol.control(Msg.LEAVE_OK))
+        self._announce()
+
+    def bye(self, ident: bytes, f: dict | None = None) -> None:
+        """The member left now (BYE), or its connection is gone."""
+        rank = self.members.pop(ident, None)
+        if rank is not None:
+            self._gone(rank, "left" if f is not None else "disconnected")
+
+    def orphan(self, ident: bytes, f: dict) -> None:
+        rank = self.members.get(ident)
+        if rank is None or rank != f["rank"] or rank not in self.tracker.members:
+            raise ProtocolError("ORPHAN from a connection that is not that member")
+        member = self.tracker.members[rank]
+        if not 0 <= f["stripe"] < len(member.parents):
+            raise ProtocolError(f"ORPHAN for stripe {f['stripe']}, which does not exist")
+        dead = f.get("dead") is True
+        if dead and f["parent"] in self.tracker.members and not self.tracker.members[f["parent"]].left:
+            self._gone(f["parent"], f"reported silent by rank {rank}")
+        new = self.tracker.reparent(rank, f["stripe"], f["parent"], dead)
+        log.info("rank %d lost parent rank %d in stripe %d (%s): now under rank %d",
+                 rank, f["parent"], f["stripe"], f["reason"], new)
+        self.tracker.moved.append(rank)
+        self._announce()
+
+    def heartbeat(self, ident: bytes, f: dict) -> None:
+        rank = self.members.get(ident)
+        if rank is None:
+            return
+        rates = f.get("links")
+        try:
+            rates = {int(r): float(v) for r, v in rates.items()} if isinstance(rates, dict) else None
+        except (TypeError, ValueError):
+            raise ProtocolError("HEARTBEAT links is not a map of rank to rate") from None
+        have = f.get("have") if isinstance(f.get("have"), int) else None
+        self.tracker.touch(rank, have=have, rates=rates)
+
+    def review(self) -> None:
+        """Every REVIEW_INTERVAL: demote hosts whose uplink delivers well below the fleet's."""
+        now = self.clock()
+        if now < self.next_review:
+            return
+        self.next_review = now + REVIEW_INTERVAL
+        for rank in self.tracker.slow_hosts():
+            log.warning("peer rank %d delivers %.1f MB/s, well below the fleet: it becomes a leaf",
+                        rank, self.tracker.uplinks().get(rank, 0.0) / 1e6)
+        self._announce()
+
+    # ----- internals ---------------------------------------------------------
+
+    def _gone(self, rank: int, why: str) -> None:
+        if rank not in self.tracker.members or self.tracker.members[rank].left:
+            return
+        moved = self.tracker.gone(rank)
+        log.info("peer rank %d %s%s", rank, why,
+                 f"; re-placing {', '.join(f'rank {r}' for r, _ in moved)}" if moved else "")
+        for r, _ in moved:
+            self.tracker.moved.append(r)
+        self._announce()
+
+    def _announce(self, skip: int | None = None) -> None:
+        """Tell every member whose parents or partners changed (REPARENT)."""
+        for rank in self.tracker.take_moved():
+            ident = self.ident_of(rank)
+            if ident is None or rank == skip:
+                continue
+            m = self.tracker.members[rank]
+            self._send(ident, protocol.control(Msg.REPARENT, parents=self.tracker.parent_addrs(m),
+                                               partners=self.tracker.partner_addrs(m)))
+
+    HANDLERS = {Msg.HELLO: hello, Msg.DONE: done, Msg.LEAVE: leave, Msg.BYE: bye, Msg.ORPHAN: orphan,
+                Msg.HEARTBEAT: heartbeat}

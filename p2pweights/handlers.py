@@ -1,0 +1,289 @@
+"""Handlers: what each incoming message does to a node, one small named handler per message.
+
+``Handlers.dispatch`` drains one ready socket of the node's loop: the ROUTER
+(partners pulling from us, joiners, the tracker's members), a DEALER to a
+partner we pull from, the tracker link, or the inbox of other threads.  Each
+message is decoded by ``protocol`` and checked against its connection's state
+table; a bad one is counted and logged, and the node keeps serving everyone else.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from . import protocol
+from .endpoint import MAX_NAME
+from .protocol import SERVER_TRANSITIONS, Connection, Msg, ProtocolError
+
+log = logging.getLogger("p2pw")
+
+MAX_BAD_MESSAGES = 32  # malformed messages before a connection is ignored
+MAX_BAD_FROM_PARENT = 4  # chunks failing verification before a partner is given up
+DRAIN = 64  # messages taken from one socket per poll
+READY = struct.Struct("<I?")  # read-ahead -> loop: chunk index, matched the manifest
+
+
+class Handlers:
+    """Message handlers of one node (its loop thread only)."""
+
+    def __init__(self, node):
+        self.node = node
+
+    def dispatch(self, sock) -> None:
+        n = self.node
+        if sock is n.router:
+            handler = self.on_router
+        elif sock is n.tracker_link:
+            handler = self.on_tracker
+        elif sock is n.inbox:
+            handler = self.on_inbox
+        else:
+            link = next((lk for lk in n.links.values() if lk.socket is sock), None)
+            if link is None:  # closed earlier in this poll
+                return
+            handler = lambda s, link=link: self.on_link(link)  # noqa: E731
+        for _ in range(DRAIN):
+            if sock.closed or not sock.poll(0, zmq.POLLIN):  # a handler may close it (partner given up)
+                return
+            handler(sock)
+
+    # ----- inbox: other threads ------------------------------------------
+
+    def on_inbox(self, sock) -> None:
+        verb, body = sock.recv_multipart()
+        n = self.node
+        if verb == b"ready":
+            index, ok = READY.unpack(body)
+            if ok:
+                n.publish(index)
+            else:
+                log.error("chunk %d read from storage does not match the manifest: the checkpoint changed under "
+                          "the seeder (or cannot be read); not serving it (restart the seeder to rescan)", index)
+        elif verb == b"urgent":
+            n.pull.prioritize(struct.unpack(f"<{len(body) // 4}I", body))
+        elif verb == b"fail":
+            n._fail(body.decode(errors="replace"))
+        elif verb == b"stop":
+            n.stop_event.set()
+
+    # ----- partners we pull from -----------------------------------------
+
+    def on_link(self, link) -> None:
+        n = self.node
+        sock = link.socket
+        link.last_heard = n.clock()
+        try:
+            event = protocol.decode_header(sock.recv(zmq.NOBLOCK))
+            if event.type == Msg.CHUNK:
+                if not sock.getsockopt(zmq.RCVMORE):
+                    raise ProtocolError("CHUNK without its payload frame")
+                link.conn.receive(event)
+                self.on_chunk(link, event.indices[0])
+                return
+            frames = [event, *self._rest(sock)]
+            link.conn.receive(event)
+            self.on_link_control(link, event, frames[1:])
+        except ProtocolError as e:
+            _discard_rest(sock)
+            n.stats.malformed += 1
+            log.warning("partner rank %d (%s) sent a bad message: %s", link.rank, link.addr, e)
+
+    @staticmethod
+    def _rest(sock) -> list:
+        rest = []
+        while sock.getsockopt(zmq.RCVMORE):
+            rest.append(sock.recv(copy=False))
+        return rest
+
+    def on_link_control(self, link, event, payload: list) -> None:
+        n = self.node
+        if event.type == Msg.ATTACHED:
+            bits = bytes(payload[0].buffer) if payload else b""
+            size = n.manifest.n_chunks
+            if event.fields["n_chunks"] != size or len(bits) != (size + 7) // 8:
+                raise ProtocolError(f"ATTACHED bitfield of {len(bits)} bytes for {event.fields['n_chunks']} "
+                                    f"chunks; the blob has {size}")
+            n.pull.ready(link.rank, np.unpackbits(np.frombuffer(bits, np.uint8), count=size).astype(bool))
+        elif event.type == Msg.HAVE:
+            if max(event.indices) >= n.manifest.n_chunks:
+                raise ProtocolError(f"HAVE names chunk {max(event.indices)}; the blob has {n.manifest.n_chunks}")
+            n.pull.has(link.rank, event.indices)
+        elif event.type == Msg.ERROR and event.fields.get("fatal"):
+            if "model id" in str(event.fields.get("message")):
+                n._fail(f"partner {link.addr} refused us: {event.fields.get('message')}")
+            else:
+                n.give_up(link.rank, f"refused us: {event.fields.get('message')}")
+        elif event.type == Msg.ERROR:  # it lost our state (restarted?): attach again, ask again
+            log.warning("partner %s: %s; attaching again", link.addr, event.fields.get("message"))
+            n._close_link(link.rank)
+            n._open_link(link.rank, link.addr)
+
+    def on_chunk(self, link, index: int) -> None:
+        """A chunk arrived: verify it in place, then publish it, or drop it and ask again."""
+        n = self.node
+        sock = link.socket
+        if index >= n.manifest.n_chunks or not n.pull.expects(link.rank, index):
+            _discard_rest(sock)
+            if index < n.manifest.n_chunks and n.store.has(index):  # an endgame loser, a stall re-request
+                n.stats.duplicates += 1
+            else:
+                n.stats.malformed += 1
+                log.warning("partner rank %d sent chunk %d, which we did not ask it for: dropped", link.rank, index)
+            return
+        link.last_chunk = n.clock()
+        view = n.store.chunk(index)
+        got = sock.recv_into(view)
+        _discard_rest(sock)
+        n.stats.chunks_received += 1
+        if n.faults is not None:
+            n.faults.received()
+        ok = got == len(view) and n.digest(view) == n.manifest.chunks[index]
+        planned = n.pull.plan[index % n.pull.stripes]
+        n.pull.arrived(link.rank, index, ok)
+        if ok:
+            n.stats.switches += planned != link.rank
+            n.publish(index)
+            return
+        n.stats.bad_chunks += 1
+        log.warning("chunk %d from partner rank %d failed verification (%d bytes): dropped, fetching it again",
+                    index, link.rank, got)
+        if n.pull.links[link.rank].bad >= MAX_BAD_FROM_PARENT:
+            n.give_up(link.rank, f"sent {n.pull.links[link.rank].bad} chunks that failed verification")
+
+    # ----- tracker link (peers only) ---------------------------------------
+
+    def on_tracker(self, sock) -> None:
+        n = self.node
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            event = n.tracker_conn.receive(protocol.decode(frames))
+        except ProtocolError as e:
+            n.stats.malformed += 1
+            log.warning("tracker %s sent a bad message: %s", n.tracker_addr, e)
+            return
+        n.tracker_heard = n.clock()
+        f = event.fields
+        if event.type == Msg.WELCOME:  # a restarted tracker took us back
+            if n.hello_sent:
+                log.warning("tracker %s is back: we are rank %d", n.tracker_addr, f["rank"])
+            n.hello_sent = 0.0
+            n.done_reported = False  # tell the (new) tracker again
+            n.rank = f["rank"]
+            self._plan(f)
+        elif event.type == Msg.LEAVE_OK:
+            n.left.set()
+            n.stop_event.set()
+        elif event.type == Msg.REPARENT:
+            self._plan(f)
+        elif event.type == Msg.ERROR:  # it does not know us (restarted): introduce ourselves at once
+            log.warning("tracker: %s", f.get("message"))
+            if n.clock() - n.hello_sent > 1.0:
+                n._reintroduce(n.clock())
+
+    def _plan(self, f: dict) -> None:
+        n = self.node
+        parents, partners = f.get("parents"), f.get("partners", [])
+        if not isinstance(parents, list) or not isinstance(partners, list):
+            n.stats.malformed += 1
+            log.warning("tracker sent a plan that is not lists: ignored")
+            return
+        old = {p["rank"] for p in n.plan}
+        n.set_plan(parents, partners)
+        new = {p["rank"] for p in n.plan}
+        if new - old:
+            log.info("new planned source(s) %s", ", ".join(f"rank {r}" for r in sorted(new - old)))
+
+    # ----- router: partners, joiners, members ------------------------------
+
+    def on_router(self, sock) -> None:
+        n = self.node
+        frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        ident = frames[0]
+        n.seen[ident] = n.clock()
+        if n.bad.get(ident, 0) >= MAX_BAD_MESSAGES:
+            return
+        conn = n.conns.get(ident)
+        if conn is None:
+            conn = n.conns[ident] = Connection(SERVER_TRANSITIONS, "new")
+        try:
+            event = conn.receive(protocol.decode(frames[1:]))
+            self.on_served(ident, event)
+        except ProtocolError as e:
+            self._reject(ident, str(e), isinstance(e, protocol.VersionMismatch))
+        except Exception as e:  # never let one peer take the node down
+            self._reject(ident, f"could not handle its message: {e!r}", False)
+
+    def on_served(self, ident: bytes, event) -> None:
+        n = self.node
+        kind = event.type
+        if kind == Msg.ATTACH:
+            self.on_attach(ident, event.fields)
+        elif kind == Msg.REQUEST:
+            for index in n.serve.request(ident, event.indices):
+                if n.reader is not None:
+                    n.reader.want(index)
+        elif kind == Msg.CANCEL:
+            n.serve.cancel(ident, event.indices)
+        elif kind == Msg.HELLO and n.endpoint is None:
+            n.conns[ident].state = "new"
+            n._send(ident, protocol.control(Msg.REDIRECT, tracker=n.tracker_addr))
+        elif n.endpoint is not None and kind in n.endpoint.HANDLERS:
+            if n.endpoint.HANDLERS[kind](n.endpoint, ident, event.fields) is False:
+                n.conns.pop(ident, None)
+
+    def on_attach(self, ident: bytes, f: dict) -> None:
+        n = self.node
+        if f["model_id"] != n.model_id:
+            n._send(ident, protocol.control(Msg.ERROR, message="model id mismatch", fatal=True))
+            n.conns.pop(ident, None)
+            return
+        if ident not in n.children and len(n.children) >= n.max_children:
+            n._send(ident, protocol.control(
+                Msg.ERROR, message=f"parent serves its maximum of {n.max_children} children", fatal=True))
+            n.conns.pop(ident, None)
+            return
+        n.children[ident] = _child(f)
+        n.serve.attach(ident)
+        bits = np.packbits(n.store.have).tobytes() if n.reader is None else np.packbits(
+            np.ones(n.manifest.n_chunks, bool)).tobytes()  # a seeder reading on demand can serve any chunk
+        n._send(ident, protocol.control(Msg.ATTACHED, n_chunks=n.manifest.n_chunks), bits)
+
+    def _reject(self, ident: bytes, reason: str, tell: bool) -> None:
+        n = self.node
+        n.bad[ident] = n.bad.get(ident, 0) + 1
+        n.stats.malformed += 1
+        log.warning("%s: %s", self._who(ident), reason)
+        if tell or n.bad[ident] == 1:
+            n._send(ident, protocol.control(Msg.ERROR, message=reason))
+        if n.bad[ident] >= MAX_BAD_MESSAGES:
+            log.warning("%s: %d bad messages, ignoring it from now on", self._who(ident), n.bad[ident])
+            n.forget(ident)
+
+    def _who(self, ident: bytes) -> str:
+        n = self.node
+        child = n.children.get(ident)
+        if child is not None:
+            return f"peer {child.peer_id} (rank {child.rank})"
+        member = n.endpoint.who(ident) if n.endpoint is not None else None
+        return member or f"unknown peer {ident.hex()[:10]}"
+
+
+@dataclass
+class Child:
+    """A partner attached to this node to pull from it."""
+
+    peer_id: str
+    rank: int
+
+
+def _child(f: dict) -> Child:
+    return Child(f["peer_id"][:MAX_NAME], f["rank"])
+
+
+def _discard_rest(sock) -> None:
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv_into(bytearray())

@@ -1,0 +1,327 @@
+"""Pull scheduler: which chunk this peer asks of which partner, and when (sans-IO).
+
+One owner of the download's request state, changed only through named verbs
+(``ready``, ``has``, ``arrived``, ``drop``, ``prioritize`` ...), with the clock
+injected, so that it is tested without sockets (as Kraken tests its
+``dispatch/piecerequest`` and libtorrent its ``piece_picker``).  The node feeds
+it what partners say and sends what ``requests`` / ``stalled`` return.
+
+Policy, per link (one partner), each with its own credit window sized from the
+rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
+
+1. chunks a waiter asked for (``prioritize``: ``wait_range`` / ``wait_tensor``),
+   lowest index first, from any holder;
+2. the link's planned share: the chunks of the stripes whose planned source it
+   is, in index order, asked even before the source holds them (it parks them
+   and forwards each the moment it is verified, so a tree pipelines);
+3. help: chunks of a stripe whose planned source lags behind what
+   the other partners hold (``LAG_CHUNKS``) or is much slower than the other
+   links (``SLOW_LINK``), taken from partners that hold them, rarest first
+   among the lowest candidates, at most ``HELP_WINDOW`` per helping link;
+4. endgame: once nothing is left to ask, each missing chunk may be asked of a
+   second holder; the first copy to arrive cancels the other request.
+
+A request outstanding far longer than its link's rate explains is re-asked
+elsewhere (``stalled``); a dropped link gives its requests back at once.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DEFAULT_WINDOW = 8
+MIN_WINDOW = 2
+MAX_WINDOW = 32
+QUEUE_TIME = 0.25  # seconds of a link's measured rate that its window keeps asked for
+RATE_WEIGHT = 0.25  # weight of the newest sample in a link's rate average
+LAG_CHUNKS = 4  # a planned source lacking this many chunks the other partners hold is lagging
+SLOW_LINK = 0.4  # a planned source delivering below this share of the best other link is slow
+HELP_WINDOW = 2  # requests a helping (non-planned) link carries at once
+RAREST_AMONG = 16  # help picks the rarest of this many lowest candidates
+STALL_MIN = 2.0  # seconds: no request is called stalled sooner
+STALL_MAX = 10.0  # seconds: a request is called stalled after this long whatever the rate says
+STALL_WINDOWS = 4  # a request is stalled after this many windows' worth of time at the link's rate
+SEEDER = 0  # rank of the seeder: helps only a stripe whose planned source is gone, so its uplink
+#             carries each chunk about once
+
+
+@dataclass
+class Link:
+    """What this peer knows of one partner: holdings, requests, measured rate."""
+
+    rank: int
+    n_chunks: int
+    window: int = DEFAULT_WINDOW
+    holds: np.ndarray | None = None  # None until its bitfield arrives
+    outstanding: dict[int, float] = field(default_factory=dict)  # chunk -> when asked
+    rate: float = 0.0  # bytes/s while it had requests to serve
+    last_arrival: float = 0.0
+    received: int = 0  # bytes that verified
+    bad: int = 0  # chunks that failed verification
+    helping: set[int] = field(default_factory=set)  # chunks asked of it to help a lagging stripe
+
+    @property
+    def ready(self) -> bool:
+        return self.holds is not None
+
+    def free(self, cap: int | None = None) -> int:
+        return max(0, min(self.window, cap if cap is not None else self.window) - len(self.outstanding))
+
+
+class PullScheduler:
+    """Request state of one download: links, chunks in flight, priorities."""
+
+    def __init__(self, n_chunks: int, chunk_size: int, have=None, stripes: int = 1,
+                 window: int = DEFAULT_WINDOW, clock=time.monotonic):
+        self.n = n_chunks
+        self.chunk_size = chunk_size
+        self.stripes = stripes
+        self.default_window = max(MIN_WINDOW, min(MAX_WINDOW, window))
+        self.clock = clock
+        self.have = np.zeros(n_chunks, bool) if have is None else np.array(have, dtype=bool)
+        self.inflight = np.zeros(n_chunks, bool)  # asked of at least one link
+        self.asked: dict[int, set[int]] = {}  # chunk -> ranks it is asked of
+        self.urgent = np.zeros(n_chunks, bool)
+        self.holders = np.zeros(n_chunks, np.int32)  # ready links holding each chunk
+        self.links: dict[int, Link] = {}
+        self.plan: list[int | None] = [None] * stripes
+        self.stripe_of = np.arange(n_chunks) % stripes
+        self.cancels: dict[int, list[int]] = {}  # rank -> chunks to CANCEL there (see take_cancels)
+        self.duplicates = 0
+
+    # ----- links -------------------------------------------------------------
+
+    def add(self, rank: int) -> None:
+        """A link to partner ``rank`` is opening (nothing is asked of it before ``ready``)."""
+        if rank not in self.links:
+            self.links[rank] = Link(rank, self.n, window=self.default_window)
+
+    def ready(self, rank: int, holds) -> None:
+        """Partner ``rank`` attached us and holds the chunks set in ``holds``."""
+        link = self.links[rank]
+        if link.holds is not None:
+            self.holders -= link.holds
+        link.holds = np.array(holds, dtype=bool)
+        self.holders += link.holds
+
+    def has(self, rank: int, indices) -> None:
+        """Partner ``rank`` verified ``indices`` (a HAVE)."""
+        link = self.links.get(rank)
+        if link is None or link.holds is None:
+            return
+        idx = np.asarray(indices, dtype=np.int64)
+        new = idx[~link.holds[idx]]
+        link.holds[new] = True
+        np.add.at(self.holders, new, 1)
+
+    def drop(self, rank: int) -> list[int]:
+        """Forget partner ``rank`` (gone or given up); its requests are free to ask elsewhere."""
+        link = self.links.pop(rank, None)
+        if link is None:
+            return []
+        if link.holds is not None:
+            self.holders -= link.holds
+        back = sorted(link.outstanding)
+        for i in back:
+            self._unask(i, rank)
+        return back
+
+    def set_plan(self, plan: list[int | None]) -> None:
+        """The planned source (partner rank) of each stripe."""
+        self.plan = list(plan)
+
+    # ----- chunks ------------------------------------------------------------
+
+    def expects(self, rank: int, index: int) -> bool:
+        link = self.links.get(rank)
+        return link is not None and index in link.outstanding
+
+    def arrived(self, rank: int, index: int, ok: bool) -> None:
+        """Chunk ``index`` came from ``rank``; ``ok``: it verified (else it is asked again)."""
+        now = self.clock()
+        link = self.links[rank]
+        asked_at = link.outstanding.pop(index)
+        link.helping.discard(index)
+        self._unask(index, rank)
+        busy_since = max(link.last_arrival, asked_at)
+        link.last_arrival = now
+        if not ok:
+            link.bad += 1
+            return
+        sample = self.chunk_size / max(now - busy_since, 1e-4)
+        link.rate = sample if link.rate == 0 else (1 - RATE_WEIGHT) * link.rate + RATE_WEIGHT * sample
+        link.window = max(MIN_WINDOW, min(MAX_WINDOW, math.ceil(link.rate * QUEUE_TIME / self.chunk_size)))
+        link.received += self.chunk_size
+        self.verified(index)
+
+    def verified(self, index: int) -> None:
+        """We hold chunk ``index`` now; its other (endgame) requests are to be cancelled."""
+        self.have[index] = True
+        self.urgent[index] = False
+        for r in sorted(self.asked.get(index, ())):
+            self.links[r].outstanding.pop(index, None)
+            self._unask(index, r)
+            self.cancels.setdefault(r, []).append(index)
+
+    def take_cancels(self) -> list[tuple[int, list[int]]]:
+        """CANCELs to send: ``[(rank, [chunk, ...]), ...]`` (endgame losers, moved parked requests)."""
+        out = sorted(self.cancels.items())
+        self.cancels.clear()
+        return out
+
+    def prioritize(self, indices) -> None:
+        """A reader waits for ``indices``: ask for them before anything else."""
+        idx = np.asarray(list(indices), dtype=np.int64)
+        self.urgent[idx[~self.have[idx]]] = True
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.have.all())
+
+    def missing(self) -> int:
+        return int(self.n - self.have.sum())
+
+    # ----- decisions ---------------------------------------------------------
+
+    def requests(self) -> list[tuple[int, list[int]]]:
+        """What to ask of whom now: ``[(rank, [chunk, ...]), ...]``, each within its link's credits."""
+        out: dict[int, list[int]] = {}
+        ready = [lk for lk in self.links.values() if lk.ready and lk.free()]
+        for lk in ready:  # 1. waiters first, from whoever holds them
+            self._ask(lk, self._pick(lk, self.urgent & lk.holds, lk.free()), out)
+        lagging, orphaned = self._help_mask()
+        for lk in sorted(ready, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
+            mask = self._planned_mask(lk.rank)
+            mask = orphaned & lk.holds if mask is None else mask | (orphaned & lk.holds)
+            self._ask(lk, self._pick(lk, mask, lk.free()), out)
+        lagging &= ~orphaned
+        if lagging.any():  # 3b. a stripe whose planned source lags: partners help, a few chunks each
+            for lk in sorted(ready, key=lambda x: -x.rate):
+                if lk.rank == SEEDER:
+                    continue
+                helping = sum(1 for i in lk.outstanding if i in lk.helping)
+                chunks = self._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping), rarest=True)
+                lk.helping.update(chunks)
+                self._ask(lk, chunks, out)
+        if not self._wanted().any() and not self.have.all():  # 4. endgame: a second holder
+            self._endgame(ready, out)
+        return list(out.items())
+
+    def stalled(self) -> list[tuple[int, list[int]]]:
+        """Requests outstanding far longer than their link's rate explains: given back to ask
+        elsewhere (and to CANCEL there).  Returns them per link, for the log."""
+        now = self.clock()
+        out = []
+        for lk in self.links.values():
+            rate = lk.rate or self._typical_rate()
+            bound = STALL_MAX if rate <= 0 else \
+                min(STALL_MAX, max(STALL_MIN, STALL_WINDOWS * lk.window * self.chunk_size / rate))
+            late = [i for i, t in lk.outstanding.items()
+                    if now - t > bound and (lk.holds is not None and lk.holds[i])]
+            if late:
+                for i in late:
+                    del lk.outstanding[i]
+                    self._unask(i, lk.rank)
+                lk.rate /= 2
+                self.cancels.setdefault(lk.rank, []).extend(sorted(late))
+                out.append((lk.rank, sorted(late)))
+        return out
+
+    def waiting_for(self) -> list[int]:
+        """Missing chunks no live partner holds (what a peer with no source left waits for)."""
+        return np.flatnonzero(~self.have & (self.holders == 0)).tolist()
+
+    # ----- internals ---------------------------------------------------------
+
+    def _wanted(self) -> np.ndarray:
+        return ~self.have & ~self.inflight
+
+    def _planned_mask(self, rank: int) -> np.ndarray | None:
+        stripes = [s for s, r in enumerate(self.plan) if r == rank]
+        if not stripes:
+            return None
+        return self._wanted() & np.isin(self.stripe_of, stripes)
+
+    def _planned_open(self, rank: int) -> bool:
+        """Whether planned link ``rank`` still has planned work it could be asked for."""
+        mask = self._planned_mask(rank)
+        return mask is not None and bool(mask.any())
+
+    def _typical_rate(self) -> float:
+        rates = [lk.rate for lk in self.links.values() if lk.rate > 0]
+        return float(np.median(rates)) if rates else 0.0
+
+    def _help_mask(self) -> tuple[np.ndarray, np.ndarray]:
+        """Chunks other partners may be asked for (stripes whose planned source lags), and the
+        subset whose planned source is gone (which the seeder may serve too)."""
+        mask, orphaned = np.zeros(self.n, bool), np.zeros(self.n, bool)
+        best = max((lk.rate for lk in self.links.values()), default=0.0)
+        seeder = self.links.get(SEEDER)
+        peers_hold = self.holders - (seeder.holds if seeder is not None and seeder.ready else 0)
+        for s, rank in enumerate(self.plan):
+            src = self.links.get(rank) if rank is not None else None
+            in_stripe = self.stripe_of == s
+            missing = ~self.have & in_stripe
+            if src is None or not src.ready:
+                lagging = True
+                orphaned |= missing
+            else:
+                others = (peers_hold - (src.holds if rank != SEEDER else 0)) > 0
+                lacks = int((missing & others & ~src.holds).sum())
+                slow = src.rate > 0 and best > 0 and src.rate < SLOW_LINK * best
+                lagging = lacks > LAG_CHUNKS or slow
+            if lagging:
+                mask |= missing & ~self.inflight
+                if src is not None and src.holds is not None:  # parked at a source that lacks them
+                    parked = [i for i in src.outstanding if not src.holds[i]]
+                    mask[parked] = True
+        return mask & ~self.have, orphaned
+
+    def _pick(self, lk: Link, mask: np.ndarray, k: int, rarest: bool = False) -> list[int]:
+        if k <= 0:
+            return []
+        mask = mask & ~self.have
+        mask[list(lk.outstanding)] = False
+        idx = np.flatnonzero(mask)
+        if not rarest:
+            return idx[:k].tolist()
+        lowest = idx[:max(k, RAREST_AMONG)]
+        order = np.lexsort((lowest, self.holders[lowest]))
+        return lowest[order][:k].tolist()
+
+    def _ask(self, lk: Link, chunks: list[int], out: dict) -> None:
+        now = self.clock()
+        for i in chunks:
+            for other in self.asked.get(i, ()):  # a parked request moved to a holder
+                self.links[other].outstanding.pop(i, None)
+                self.cancels.setdefault(other, []).append(i)
+            self.asked[i] = {lk.rank}
+            self.inflight[i] = True
+            lk.outstanding[i] = now
+        if chunks:
+            out.setdefault(lk.rank, []).extend(chunks)
+
+    def _unask(self, index: int, rank: int) -> None:
+        ranks = self.asked.get(index)
+        if ranks is not None:
+            ranks.discard(rank)
+            if not ranks:
+                del self.asked[index]
+                self.inflight[index] = False
+
+    def _endgame(self, ready: list[Link], out: dict) -> None:
+        now = self.clock()
+        for lk in sorted(ready, key=lambda x: -x.rate):
+            free = lk.free()
+            if not free:
+                continue
+            cands = [(t, i) for i, ranks in self.asked.items() if len(ranks) == 1 and lk.rank not in ranks
+                     and lk.holds[i] and not self.have[i]
+                     for t in [self.links[next(iter(ranks))].outstanding.get(i, now)]]
+            for _, i in sorted(cands)[:free]:
+                self.asked[i].add(lk.rank)
+                lk.outstanding[i] = now
+                out.setdefault(lk.rank, []).append(i)

@@ -1,0 +1,146 @@
+"""Upload scheduler: which asked-for chunk this node sends to whom next (sans-IO).
+
+Each attached partner has a queue of the chunks it asked for and this node
+holds, and a set of parked requests (asked for, not held yet): a parked chunk
+joins its queue the moment it is verified.  ``next`` serves the queues
+round-robin, one chunk per link per turn, so every link gets its fair share
+of the uplink whatever the others ask; a seeder (``fresh_first``) picks, among
+the links' queued chunks, the one it has sent least often, so chunks nobody
+holds yet go out before duplicates.  Nothing is sent that was not asked for; a
+CANCEL withdraws a request not yet sent.  Per link at most ``max_parked``
+requests wait, so no partner can grow this node's memory.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from .protocol import ProtocolError
+
+MAX_PARKED = 64  # requests one link may have waiting at this node (queued or parked)
+
+
+class UploadScheduler:
+    """Requests of every attached partner, and the order they are served in."""
+
+    def __init__(self, n_chunks: int, holds, fresh_first: bool = False, max_parked: int = MAX_PARKED):
+        self.n = n_chunks
+        self.holds = holds  # index -> bool: whether this node holds a verified copy
+        self.fresh_first = fresh_first
+        self.max_parked = max_parked
+        self.queues: dict[bytes, deque] = {}
+        self.parked: dict[int, list[bytes]] = {}
+        self.waiting: dict[bytes, set[int]] = {}  # per link: every chunk asked and not yet sent
+        self.turn: deque = deque()  # round-robin order of links
+        self.sent_count = np.zeros(n_chunks, np.int32)
+
+    def attach(self, link: bytes) -> None:
+        if link not in self.queues:
+            self.queues[link] = deque()
+            self.waiting[link] = set()
+            self.turn.append(link)
+
+    def detach(self, link: bytes) -> None:
+        """Forget ``link`` and everything it asked for."""
+        if self.queues.pop(link, None) is None:
+            return
+        for i in self.waiting.pop(link):
+            waiters = self.parked.get(i)
+            if waiters and link in waiters:
+                waiters.remove(link)
+                if not waiters:
+                    del self.parked[i]
+        self.turn.remove(link)
+
+    def attached(self, link: bytes) -> bool:
+        return link in self.queues
+
+    def request(self, link: bytes, indices: list[int]) -> list[int]:
+        """``link`` asks for ``indices``; returns those not held yet (to read from storage, say).
+
+        ProtocolError for a link that never attached, a chunk out of range or
+        named twice, or more than ``max_parked`` requests waiting."""
+        if link not in self.queues:
+            raise ProtocolError("REQUEST from a connection that is not attached")
+        if len(set(indices)) != len(indices):
+            raise ProtocolError("REQUEST names a chunk twice")
+        waiting = self.waiting[link]
+        absent = []
+        for i in indices:
+            if not 0 <= i < self.n:
+                raise ProtocolError(f"requested chunk {i}, but the blob has {self.n}")
+            if i in waiting:
+                continue  # asked again (a stall re-request): already waiting
+            if len(waiting) >= self.max_parked:
+                raise ProtocolError(f"more than {self.max_parked} requests waiting")
+            waiting.add(i)
+            if self.holds(i):
+                self.queues[link].append(i)
+            else:
+                self.parked.setdefault(i, []).append(link)
+                absent.append(i)
+        return absent
+
+    def cancel(self, link: bytes, indices: list[int]) -> None:
+        """``link`` no longer wants ``indices`` (not yet sent ones are dropped)."""
+        waiting = self.waiting.get(link)
+        if waiting is None:
+            return
+        for i in indices:
+            if i not in waiting:
+                continue
+            waiting.discard(i)
+            if i in self.queues[link]:
+                self.queues[link].remove(i)
+            elif link in self.parked.get(i, ()):
+                self.parked[i].remove(link)
+                if not self.parked[i]:
+                    del self.parked[i]
+
+    def verified(self, index: int) -> None:
+        """This node now holds ``index``: every link parked on it may be sent it."""
+        for link in self.parked.pop(index, ()):
+            self.queues[link].append(index)
+
+    def pending(self) -> bool:
+        return any(self.queues.values())
+
+    def next(self, skip=()) -> tuple[bytes, int] | None:
+        """The next ``(link, chunk)`` to send, round-robin over links not in ``skip``; it is
+        taken out of the queue (``blocked`` puts it back)."""
+        for _ in range(len(self.turn)):
+            link = self.turn[0]
+            self.turn.rotate(-1)
+            q = self.queues[link]
+            if not q or link in skip:
+                continue
+            if self.fresh_first:
+                return self._freshest(skip)
+            index = q.popleft()
+            self.waiting[link].discard(index)
+            return link, index
+        return None
+
+    def _freshest(self, skip) -> tuple[bytes, int]:
+        """Among every link's queued chunks, the least-sent one (links in round-robin order)."""
+        best = None
+        for link in self.turn:  # already rotated: this order is the round-robin tiebreak
+            if link in skip:
+                continue
+            for i in self.queues[link]:
+                if best is None or self.sent_count[i] < best[0]:
+                    best = (self.sent_count[i], link, i)
+        _, link, index = best
+        self.queues[link].remove(index)
+        self.waiting[link].discard(index)
+        return link, index
+
+    def sent(self, index: int) -> None:
+        self.sent_count[index] += 1
+
+    def blocked(self, link: bytes, index: int) -> None:
+        """Sending ``index`` to ``link`` would block: keep it first in line for later."""
+        if link in self.queues:
+            self.queues[link].appendleft(index)
+            self.waiting[link].add(index)

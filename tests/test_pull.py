@@ -1,0 +1,149 @@
+"""The pull scheduler alone: a fake clock, links built from short strings, each pick asserted."""
+import numpy as np
+import pytest
+
+from p2pweights.pull import HELP_WINDOW, MAX_WINDOW, MIN_WINDOW, PullScheduler
+
+CHUNK = 1 << 20
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def bits(text: str) -> np.ndarray:
+    """'11.1' -> [True, True, False, True]."""
+    return np.array([c == "1" for c in text])
+
+
+def sched(n=8, stripes=1, have=None, window=4, plan=(1,), links=None):
+    clock = Clock()
+    s = PullScheduler(n, CHUNK, have=None if have is None else bits(have), stripes=stripes, window=window,
+                      clock=clock)
+    s.set_plan(list(plan))
+    for rank, holds in (links or {1: "1" * n}).items():
+        s.add(rank)
+        s.ready(rank, bits(holds))
+    return s, clock
+
+
+def asked(s) -> dict:
+    return dict(s.requests())
+
+
+def test_planned_source_is_asked_in_order_within_its_window():
+    s, _ = sched(links={1: "11111111", 2: "11111111"}, plan=(1,))
+    assert asked(s) == {1: [0, 1, 2, 3]}  # a healthy planned source: nobody else is bothered
+    assert asked(s) == {}  # credits used up
+
+
+def test_planned_source_is_asked_ahead_of_what_it_holds_and_parks():
+    s, _ = sched(links={1: "11......"}, plan=(1,))
+    assert asked(s) == {1: [0, 1, 2, 3]}  # 2, 3 park at the parent until it has them (a pipelining tree)
+
+
+def test_arrival_frees_a_credit_and_measures_the_link():
+    s, clock = sched(window=2)
+    assert asked(s) == {1: [0, 1]}
+    clock.t = 0.01
+    s.arrived(1, 0, ok=True)
+    assert s.links[1].rate == pytest.approx(CHUNK / 0.01)
+    assert s.links[1].window == min(MAX_WINDOW, int(np.ceil(CHUNK / 0.01 * 0.25 / CHUNK)))
+    assert 2 in asked(s)[1]
+
+
+def test_a_slow_link_gets_a_small_window():
+    s, clock = sched(window=8)
+    asked(s)
+    clock.t = 10.0  # one chunk in 10 s
+    s.arrived(1, 0, ok=True)
+    assert s.links[1].window == MIN_WINDOW
+
+
+def test_bad_chunk_is_asked_again_and_counted_against_the_link():
+    s, clock = sched(window=2)
+    assert asked(s) == {1: [0, 1]}
+    s.arrived(1, 0, ok=False)
+    assert s.links[1].bad == 1 and not s.have[0]
+    assert asked(s) == {1: [0]}
+
+
+def test_a_lagging_planned_source_loses_its_share_to_a_partner_that_holds_it():
+    # the planned source (1) lacks chunks 2..7 that partner 2 holds: 1 is behind the swarm
+    s, _ = sched(links={1: "11......", 2: "11111111"}, plan=(1,), window=4)
+    got = asked(s)
+    assert got[1] == [0, 1, 2, 3]
+    # the helper takes chunks beyond the planned window, from the ones the source lacks, a few at a time;
+    # requests parked at the source for chunks it lacks (2, 3) may move to the holder
+    assert 0 < len(got[2]) <= HELP_WINDOW and set(got[2]) <= {2, 3, 4, 5, 6, 7}
+    assert not set(got[1][:2]) & set(got[2])  # what the planned source holds stays with it
+
+
+def test_a_dead_planned_source_gives_its_requests_back_at_once():
+    s, _ = sched(links={1: "11111111", 2: "11111111"}, plan=(1,), window=4)
+    assert asked(s) == {1: [0, 1, 2, 3]}
+    assert s.drop(1) == [0, 1, 2, 3]
+    got = asked(s)
+    assert got[2][:2] == [0, 1]  # asked elsewhere at once, lowest first
+
+
+def test_seeder_helps_only_an_orphaned_stripe():
+    # rank 0 is the seeder; stripe 0 planned from 1 (which lags), stripe 1 from the seeder
+    s, _ = sched(n=8, stripes=2, plan=(1, 0), links={0: "11111111", 1: "1......."}, window=2)
+    got = asked(s)
+    assert all(i % 2 == 1 for i in got[0])  # the seeder serves its own stripe only, the lag notwithstanding
+    s.drop(1)
+    for i in got[0]:
+        s.arrived(0, i, ok=True)
+    got = asked(s)
+    assert got[0][:2] == [0, 2]  # stripe 0 lost its source: the seeder serves it too, in blob order
+
+
+def test_stall_gives_requests_back_and_cancels_them():
+    s, clock = sched(links={1: "11111111", 2: "11111111"}, window=2)
+    asked(s)
+    clock.t = 100.0
+    late = s.stalled()
+    assert late == [(1, [0, 1])]
+    assert s.take_cancels() == [(1, [0, 1])]
+    assert not s.inflight[:2].any()
+
+
+def test_endgame_asks_a_second_holder_and_the_first_copy_cancels_the_other():
+    s, clock = sched(n=4, have="111.", links={1: "1111", 2: "1111"}, plan=(1,), window=4)
+    got = asked(s)
+    assert got == {1: [3], 2: [3]}  # nothing else left to ask: the last chunk of two holders
+    clock.t = 0.1
+    s.arrived(2, 3, ok=True)
+    assert s.take_cancels() == [(1, [3])]
+    assert s.complete
+
+
+def test_a_waiters_range_is_fetched_first():
+    s, _ = sched(n=16, links={1: "1" * 16}, window=2)
+    s.prioritize([12, 13])
+    assert asked(s) == {1: [12, 13]}
+
+
+def test_stripes_are_asked_of_their_own_planned_sources():
+    s, _ = sched(n=8, stripes=2, plan=(1, 2), links={1: "11111111", 2: "11111111"}, window=2)
+    got = asked(s)
+    assert got == {1: [0, 2], 2: [1, 3]}
+
+
+def test_requests_stay_bounded_by_the_windows():
+    s, _ = sched(n=1000, stripes=2, plan=(1, 2), links={1: "1" * 1000, 2: "1" * 1000, 3: "1" * 1000},
+                 window=8)
+    for _ in range(10):
+        asked(s)
+    assert all(len(lk.outstanding) <= lk.window for lk in s.links.values())
+    assert s.inflight.sum() == sum(len(lk.outstanding) for lk in s.links.values())
+
+
+def test_waiting_for_names_chunks_no_partner_holds():
+    s, _ = sched(n=4, have="1...", links={1: "11.."})
+    assert s.waiting_for() == [2, 3]

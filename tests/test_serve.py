@@ -1,0 +1,90 @@
+"""The upload scheduler alone: fair round-robin, parking, cancels, the seeder's fresh-first order."""
+import pytest
+
+from p2pweights.protocol import ProtocolError
+from p2pweights.serve import UploadScheduler
+
+
+def held(text: str):
+    return lambda i: text[i] == "1"
+
+
+def drain(s, skip=()):
+    out = []
+    while (item := s.next(skip)) is not None:
+        out.append(item)
+        s.sent(item[1])
+    return out
+
+
+def test_links_are_served_round_robin_whatever_they_ask():
+    s = UploadScheduler(8, held("11111111"))
+    for link in (b"a", b"b"):
+        s.attach(link)
+    s.request(b"a", [0, 1, 2, 3])
+    s.request(b"b", [4])
+    assert drain(s) == [(b"a", 0), (b"b", 4), (b"a", 1), (b"a", 2), (b"a", 3)]
+
+
+def test_only_what_was_asked_and_parked_until_verified():
+    s = UploadScheduler(4, held("1..."))
+    s.attach(b"a")
+    assert s.request(b"a", [0, 2]) == [2]  # 2 is not held: parked (and returned, to read from storage)
+    assert drain(s) == [(b"a", 0)]
+    s.verified(2)
+    assert drain(s) == [(b"a", 2)]
+    assert drain(s) == []
+
+
+def test_cancel_withdraws_queued_and_parked_requests():
+    s = UploadScheduler(4, held("11.."))
+    s.attach(b"a")
+    s.request(b"a", [0, 1, 2])
+    s.cancel(b"a", [1, 2])
+    s.verified(2)
+    assert drain(s) == [(b"a", 0)]
+
+
+def test_seeder_sends_chunks_nobody_has_before_duplicates():
+    s = UploadScheduler(4, held("1111"), fresh_first=True)
+    for link in (b"a", b"b"):
+        s.attach(link)
+    s.request(b"a", [0])
+    assert drain(s) == [(b"a", 0)]
+    s.request(b"a", [1])
+    s.request(b"b", [0, 2])
+    assert [i for _, i in drain(s)] == [1, 2, 0]  # chunk 0 went out once already: it waits
+
+
+def test_blocked_send_stays_first_in_line():
+    s = UploadScheduler(4, held("1111"))
+    s.attach(b"a")
+    s.request(b"a", [0, 1])
+    link, i = s.next()
+    s.blocked(link, i)
+    assert s.next(skip={b"a"}) is None
+    assert drain(s) == [(b"a", 0), (b"a", 1)]
+
+
+def test_limits_of_what_a_link_may_ask():
+    s = UploadScheduler(4, held("...."), max_parked=2)
+    with pytest.raises(ProtocolError, match="not attached"):
+        s.request(b"x", [0])
+    s.attach(b"a")
+    with pytest.raises(ProtocolError, match="twice"):
+        s.request(b"a", [1, 1])
+    with pytest.raises(ProtocolError, match="blob has 4"):
+        s.request(b"a", [9])
+    s.request(b"a", [0, 1])
+    s.request(b"a", [0])  # a stall re-request of a waiting chunk: not counted again
+    with pytest.raises(ProtocolError, match="more than 2"):
+        s.request(b"a", [2])
+
+
+def test_detach_forgets_everything_a_link_asked():
+    s = UploadScheduler(4, held("1..."))
+    s.attach(b"a")
+    s.request(b"a", [0, 1])
+    s.detach(b"a")
+    s.verified(1)
+    assert drain(s) == [] and not s.parked
