@@ -113,7 +113,7 @@ class Handlers:
                 raise ProtocolError(f"HAVE names chunk {max(event.indices)}; the blob has {n.manifest.n_chunks}")
             n.pull.has(link.rank, event.indices)
         elif event.type == Msg.ERROR and event.fields.get("fatal"):
-            if "model id" in str(event.fields.get("message")):
+            if "model id" in str(event.fields.get("message")) or len(n.links) <= 1:  # nobody else to ask
                 n._fail(f"partner {link.addr} refused us: {event.fields.get('message')}")
             else:
                 n.give_up(link.rank, f"refused us: {event.fields.get('message')}")

@@ -325,13 +325,13 @@ class Node:
 
     def _watch_progress(self, now: float) -> None:
         """Nothing verified for a while: say what we wait for every WAIT_REPORT s, give up at the end."""
-        if self.store.complete or now - self.progress_at < WAIT_REPORT:
+        if self.store.complete or now - self.progress_at < min(WAIT_REPORT, self.give_up_after):
             return
         if now - self.progress_at > self.give_up_after:
             self._fail(f"no chunk arrived for {self.give_up_after:.0f} s: {self.pull.missing()} of "
                        f"{self.manifest.n_chunks} chunks missing and no partner serves them "
                        f"(verified chunks are kept: join again to resume)")
-        elif now - self.reported_wait >= WAIT_REPORT:
+        elif now - self.reported_wait >= WAIT_REPORT and now - self.progress_at >= WAIT_REPORT:
             self.reported_wait = now
             orphaned = self.pull.waiting_for()
             log.warning("waiting %.0f s for chunks: %d missing, %d of them held by no live partner "

@@ -92,7 +92,8 @@ class Tracker:
         moves = self.topology.place(rank) if self.placed else []
         m.parents = self._place(rank)
         self._note(moves)
-        self._partner(m)
+        if self.placed:  # the swarm; a rule-based plan stays a pure tree, to compare against
+            self._partner(m)
         return m
 
     def _partner(self, m: Member) -> None:

@@ -18,7 +18,7 @@ def rss_kib(pid: int) -> int:
 def test_slow_leaf_does_not_stall_its_siblings(procs, tmp_path):
     model = tmp_path / "model"
     write_synthetic_model(model, size_mb=16, shards=2)
-    seeder, info = procs.seeder(model, "--chunk-size", "64KiB")
+    seeder, info = procs.seeder(model, "--chunk-size", "64KiB", "--topology", "binomial")
     peers = {}
     # binomial placement by join order: 0 -> 1, 2, 4; 1 -> 3, 5.  Rank 3 is the slow one; rank 5 is its sibling.
     # Ranks 1, 2 and 4 stay after finishing, so the tree is exactly the rule's however fast they are.

@@ -102,8 +102,15 @@ def test_max_peers_per_tracker(seeder, tmp_path):
         b.close()
 
 
-def test_max_children_per_parent(seeder, tmp_path):
-    seeder.node.max_children = 1
+def test_max_children_per_parent(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(np.random.default_rng(3).integers(0, 256, 4 * CHUNK, dtype=np.uint8).tobytes())
+    with seed(path, host="127.0.0.1", port=0, chunk_size=CHUNK, topology="binomial") as seeder:
+        seeder.node.max_children = 1
+        refused_when_the_only_source_is_full(seeder)
+
+
+def refused_when_the_only_source_is_full(seeder):
     a = join(f"127.0.0.1:{seeder.port}", host="127.0.0.1", peer_id="a", connect_timeout=10)
     try:
         a.wait(30)

@@ -11,8 +11,8 @@ def test_quiet_strangers_are_forgotten_children_are_not():
     m = Manifest(total_size=8192, chunk_size=4096, chunks=["0" * 16, "0" * 16])
     ctx = zmq.Context()
     router, _ = bind_router(ctx, "127.0.0.1", 0)
+    node = Node(ctx, router, m, Store(m), peer_id="t")
     try:
-        node = Node(ctx, router, m, Store(m), peer_id="t")
         for ident in (b"stranger", b"child", b"hostile"):
             node.seen[ident] = 0.0
             node.conns[ident] = Connection(SERVER_TRANSITIONS, "new")
@@ -23,5 +23,5 @@ def test_quiet_strangers_are_forgotten_children_are_not():
         node._prune(IDLE_FORGET + 1)
         assert set(node.conns) == {b"child"} and set(node.seen) == {b"child"} and b"hostile" not in node.bad
     finally:
-        router.close(0)
+        node._close_sockets()
         ctx.term()
