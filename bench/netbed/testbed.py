@@ -357,6 +357,21 @@ class Testbed:
         cp = _ip("-n", self.ns(i), "-j", "-s", "link", "show", "dev", "eth0")
         return int(json.loads(cp.stdout)[0]["stats64"]["tx"]["bytes"])
 
+    def counters(self) -> dict[int, tuple[int, int]]:
+        """{host: (bytes it transmitted, bytes it received)} for every host, in one call.
+
+        Read from the switch side of each link (port p{i} receives what host i
+        sends), so one ``ip`` process serves all hosts: cheap enough to poll.
+        """
+        cp = _ip("-n", self.switch_ns, "-j", "-s", "link", "show")
+        out = {}
+        for link in json.loads(cp.stdout):
+            name = link.get("ifname", "")
+            if name.startswith("p") and name[1:].isdigit():
+                st = link["stats64"]
+                out[int(name[1:])] = (int(st["rx"]["bytes"]), int(st["tx"]["bytes"]))
+        return out
+
     def rx_bytes(self, i: int) -> int:
         """Bytes host i's eth0 has received."""
         cp = _ip("-n", self.ns(i), "-j", "-s", "link", "show", "dev", "eth0")
