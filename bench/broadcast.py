@@ -1,246 +1,330 @@
 #!/usr/bin/env python3
-"""Broadcast on emulated hosts: one seeder, N peers, each host's uplink capped.
+"""Broadcast on emulated hosts, timed as a user waits, against libtorrent on the same bed.
 
-    sudo .venv/bin/python bench/broadcast.py [--size 256MiB] [--peers 1,2,4,8,16]
-        [--topologies star,binomial,chain,striped:2,kary:2] [--rate 400] [--chunk-size 1MiB]
-        [--repeat 1] [--disk] [--quick]
+    sudo .venv/bin/python bench/broadcast.py [--peers 8] [--rate 400] [--size 256MiB]
+        [--cases equal,slow1,slow2,kill] [--plans default] [--tools p2pw,libtorrent]
+        [--repeat 2] [--quick] [--json FILE] [--md FILE]
 
-For each N it builds a testbed of N+1 hosts (``bench/netbed/testbed.py``:
-namespaces on a bridge, htb caps), runs ``p2pw seed --topology T`` in host 0
-and ``p2pw join`` in hosts 1..N, all joins launched at once, for every
-topology asked for (the star baseline included: every peer pulls from the
-seeder), in the same invocation.  Per run it prints:
+One testbed of N+1 hosts per N (``bench/netbed/testbed.py``: network namespaces
+on a bridge, every uplink capped with htb at ``--rate`` Mbit/s, downloads
+uncapped).  Host 0 seeds a synthetic checkpoint; hosts 1..N receive it.  For
+every case, every p2pw plan and libtorrent run in the same invocation, runs
+interleaved (the order of the tools alternates between repeats), and the tables
+show medians of ``--repeat`` runs.  ``bench/fleet.py`` does one run:
 
-* ``time``: from the first peer's ``join()`` call to the last peer's last
-  verified chunk (the join reports carry wall-clock ``started_at``/``done_at``);
-* ``t/floor``: time over floor = S / B (model size over the configured rate);
-* ``seed tx/S``: frame bytes host 0's eth0 sent over S (the kernel's count);
-* ``worst peer``: the slowest peer's own seconds (its join() to done);
-* ``CPU s/GB/peer``: user+sys seconds of the peer processes per GB each received;
-* ``CPU busy``: both cores' busy fraction during the transfer (shared machine);
-* ``sim``: ``p2pweights.simulate`` for the same N, S, B, chunk and topology, and
-  sim / measured.
+* time = from launching the N receiver processes (``python -m p2pweights join
+  --parent H0 --out DIR``, default flags; imports included) to the LAST one
+  exiting 0; t/floor divides by floor = S / B (S the checkpoint's file bytes,
+  B the configured uplink rate; TCP through htb gets 0.956 of B, so 1.05 is the
+  best a run can show).  Every copy is compared byte for byte with the source;
+  a difference aborts the benchmark (exit 1).
+* libtorrent (``bench/bt_peer.py``): a v1 torrent of the same directory
+  (``--piece-size``, 256 KiB), a seeder in host 0, one leecher per host given
+  every other host's address (no tracker, DHT, LSD), each staying until every
+  leecher is complete; timed the same way.
+* cases: ``equal`` uplinks; ``slow1`` / ``slow2``: the first one / two of
+  ``--slow-hosts`` (1,2) at rate / ``--slow-factor`` (4), the floor staying
+  S / B of the fast rate; ``kill``: SIGKILL of one receiver at a third of the
+  transfer (the live receiver that has uploaded most, once it has received
+  S/3), timed to the survivors' last exit.
+* seed tx/S: frame bytes host 0's link carried during the run over S (headers
+  make one copy read about 1.046); CPU s/GB/peer: user+sys seconds of each
+  receiver process (``os.wait4``) per GB of S, mean over receivers; CPU busy:
+  the machine's cores during the run (it is shared: read ratios, not seconds).
+* sim: ``p2pw simulate`` for the same N, S, B, chunk and plan (equal uplinks
+  only; n/a where the simulator cannot say).
 
-The rate for large N: a 2-core VM cannot move N x B through N processes for
-every N.  After each N the benchmark knows the peers' CPU seconds per byte and
-picks the next N's rate so that the peers need at most ``--cpu-budget`` of the
-cores (rounded down to 50 Mbit/s, never above ``--rate``); the table says which
-rate each row ran at, and the busy column shows whether the CPU or the caps were
-the limit.  Peers keep the model in memory unless ``--disk`` (then each writes
-its copy under a temporary directory, as a real deployment would).
-
-Results go to stdout and to ``bench/results/broadcast.md`` (``--md``).
-Needs root (network namespaces).
+Needs root (network namespaces).  Results go to stdout and ``--md``
+(``bench/results/broadcast.md``); ``--json`` dumps every run.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "bench" / "netbed"))
 
-from testbed import Testbed, cpu_busy, cpu_times  # noqa: E402
+import fleet  # noqa: E402
+from testbed import Testbed  # noqa: E402
 
 from p2pweights.cli import size as parse_size  # noqa: E402
-from p2pweights.simulate import simulate  # noqa: E402
 from p2pweights.synth import write_synthetic_model  # noqa: E402
 
-PORT = 7420
-P2PW = [sys.executable, "-m", "p2pweights"]
-# A peer: `p2pw join ...` through the CLI, but with the modules imported first and join() called
-# at a common wall-clock time, so that N Python start-ups on 2 cores do not stagger the joins.
-JOIN_AT = ("import sys, time; import p2pweights.cli as cli, p2pweights.api; "
-           "t = float(sys.argv[1]); time.sleep(max(0.0, t - time.time())); "
-           "sys.exit(cli.main(sys.argv[2:]))")
-DEFAULT_TOPOLOGIES = "star,binomial,chain,striped:2,kary:2"
+CASES = ("equal", "slow1", "slow2", "kill")
+BT = "libtorrent"
 
 
-def _wait4(p: subprocess.Popen, timeout: float) -> tuple[int, float]:
-    """Wait for ``p``; returns (exit status, its user+sys CPU seconds)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
-        if pid:
-            p.returncode = os.waitstatus_to_exitcode(status)
-            return p.returncode, ru.ru_utime + ru.ru_stime
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"pid {p.pid} still running after {timeout:.0f} s")
-        time.sleep(0.02)
+def case_rates(case: str, rate: float, slow_hosts: list[int], factor: float) -> dict[int, float]:
+    """Per-host uplink caps of a case (hosts not named run at ``rate``)."""
+    k = {"slow1": 1, "slow2": 2}.get(case, 0)
+    return {h: rate / factor for h in slow_hosts[:k]}
 
 
-def run_once(tb: Testbed, model_dir: str, n: int, topo: str, chunk: int, work: str, disk: bool,
-             timeout: float) -> dict:
-    """One broadcast to hosts 1..n; returns the measurements of that run."""
-    tag = f"{topo.replace(':', '')}-{n}-{time.monotonic_ns()}"
-    ready, seed_report = f"{work}/{tag}.ready", f"{work}/{tag}.seed.json"
-    seeder = tb.popen(0, [*P2PW, "seed", model_dir, "--topology", topo, "--port", str(PORT),
-                          "--host", tb.addr(0), "--advertise", f"{tb.addr(0)}:{PORT}",
-                          "--chunk-size", str(chunk), "--exit-after", str(n), "--ready", ready,
-                          "--report", seed_report], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    t_wait = time.monotonic() + 120
-    while not os.path.exists(ready):
-        if seeder.poll() is not None:
-            raise RuntimeError(f"seeder exited: {seeder.stderr.read().decode()[-2000:]}")
-        if time.monotonic() > t_wait:
-            raise TimeoutError("seeder not ready after 120 s")
-        time.sleep(0.05)
-    total = json.load(open(ready))["total_size"]
-    tx0 = [tb.tx_bytes(i) for i in range(n + 1)]
-    t_launch = time.time() + 1.0 + 0.15 * n  # time for the peers' imports
-    peers = []
-    for i in range(1, n + 1):
-        argv = [sys.executable, "-c", JOIN_AT, repr(t_launch), "join", "--parent", f"{tb.addr(0)}:{PORT}", "--host", tb.addr(i),
-                "--advertise", tb.addr(i), "--report", f"{work}/{tag}.p{i}.json", "-q"]
-        if disk:
-            argv += ["--out", f"{work}/{tag}.out{i}"]
-        peers.append(tb.popen(i, argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    time.sleep(max(0.0, t_launch - time.time()))
-    c0 = cpu_times()
-    peer_cpu = []
-    for i, p in enumerate(peers, 1):
-        rc, cpu = _wait4(p, timeout)
-        if rc != 0:
-            raise RuntimeError(f"peer {i} exited {rc}: {p.stderr.read().decode()[-2000:]}")
-        peer_cpu.append(cpu)
-    c1 = cpu_times()
-    rc, seed_cpu = _wait4(seeder, 60)
-    tx1 = [tb.tx_bytes(i) for i in range(n + 1)]
-    reports = [json.load(open(f"{work}/{tag}.p{i}.json")) for i in range(1, n + 1)]
-    seed_doc = json.load(open(seed_report))
-    if disk:
-        subprocess.run(["rm", "-rf", *[f"{work}/{tag}.out{i}" for i in range(1, n + 1)]])
-    start = min(r["started_at"] for r in reports)
-    end = max(r["done_at"] for r in reports)
-    busy = cpu_busy(c0, c1)
-    return {
-        "n": n, "topology": topo, "size": total, "time": end - start,
-        "launch_spread": max(r["started_at"] for r in reports) - start,
-        "from_launch": end - t_launch,
-        "worst_peer": max(r["seconds"] for r in reports),
-        "seed_tx": tx1[0] - tx0[0],
-        "host_tx": [round((b - a) / total, 3) for a, b in zip(tx0, tx1)],
-        "peer_cpu": peer_cpu, "seed_cpu": seed_cpu, "busy": sum(busy) / len(busy),
-        "ranks": {r["rank"]: r["parents"] for r in reports},  # as given at join
-        "settled": {int(r): m["parents"] for r, m in seed_doc["peers"].items()},  # after adoptions
-        "peer_bytes": [r["bytes"] for r in reports],
-        "per_rank": {r["rank"]: {"first": round(r.get("first_chunk_at", start) - start, 3),
-                                 "done": round(r["done_at"] - start, 3)} for r in reports},
-        "forwarded": sum(r["bytes_sent"] for r in reports) / total,
-    }
+def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str) -> float | None:
+    """p2pw simulate's time over the floor, or None where it cannot say (its API may change)."""
+    try:
+        from p2pweights.manifest import DEFAULT_CHUNK_SIZE
+        from p2pweights.simulate import simulate
+
+        uplink = rate_mbit * 1e6 / 8
+        kw = {} if plan == "default" else {"topology": plan}
+        res = simulate(n, size, uplink, chunk or DEFAULT_CHUNK_SIZE, **kw)
+        return res.time_last / (size / uplink)
+    except Exception:
+        return None
 
 
-def summarize(runs: list[dict], rate_mbit: float, chunk: int, window: int) -> dict:
-    """Medians over repeats of one (N, topology), with the floor and the simulator's prediction."""
-    r0 = runs[0]
-    n, topo, total = r0["n"], r0["topology"], r0["size"]
-    rate = rate_mbit * 1e6 / 8
-    floor = total / rate
-    t = statistics.median(r["time"] for r in runs)
-    sim = simulate(n, total, rate, chunk, topo, window=window)
-    cpu_per_gb = statistics.median(statistics.mean(r["peer_cpu"]) / (total / 1e9) for r in runs)
-    return {
-        "n": n, "topology": topo, "rate_mbit": rate_mbit, "repeats": len(runs), "time": t,
-        "times": [round(r["time"], 2) for r in runs],
-        "floor": floor, "ratio": t / floor,
-        "seed_tx_ratio": statistics.median(r["seed_tx"] for r in runs) / total,
-        "worst_peer": statistics.median(r["worst_peer"] for r in runs),
-        "launch_spread": statistics.median(r["launch_spread"] for r in runs),
-        "cpu_per_gb": cpu_per_gb, "busy": statistics.median(r["busy"] for r in runs),
-        "sim": sim.time_last, "sim_ratio": sim.time_last / t, "sim_seed_tx": sim.seeder_tx_bytes / total,
-    }
+def one_run(tb, variant: str, model: str, torrent: str | None, n: int, work: str, case: str, args) -> dict:
+    kill = case == "kill"
+    if variant == BT:
+        return fleet.run_libtorrent(tb, model, torrent, n, work, kill=kill, utp=args.bt_utp, timeout=args.timeout)
+    plan = None if variant == "default" else variant
+    return fleet.run_p2pw(tb, model, n, work, plan=plan, chunk=args.chunk_size, kill=kill, timeout=args.timeout)
 
 
-HEADER = ("| N | topology | Mbit/s | time s | t/floor | seed tx/S | worst peer s | CPU s/GB/peer | CPU busy "
-          "| sim s | sim/meas |\n|---|---|---|---|---|---|---|---|---|---|---|")
+def _med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
-def row(s: dict) -> str:
-    return (f"| {s['n']} | {s['topology']} | {s['rate_mbit']:.0f} | {s['time']:.2f} | {s['ratio']:.2f} | "
-            f"{s['seed_tx_ratio']:.2f} | {s['worst_peer']:.2f} | {s['cpu_per_gb']:.2f} | {s['busy']:.0%} | "
-            f"{s['sim']:.2f} | {s['sim_ratio']:.2f} |")
+def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, slow: dict, args) -> dict:
+    """Medians over the successful runs of one (N, case, variant)."""
+    ok = [r for r in runs if "error" not in r]
+    out = {"case": case, "variant": variant, "n": n, "rate_mbit": rate, "runs": len(runs), "failed": len(runs) - len(ok),
+           "errors": [r["error"] for r in runs if "error" in r]}
+    if not ok:
+        return out
+    size = ok[0]["size"]
+    floor = size / (rate * 1e6 / 8)
+    gb = size / 1e9
+
+    def worst(r, hosts):
+        t = [s for h, s in r["exits"].items() if h in hosts]
+        return max(t) / floor if t else None
+
+    rep = lambda r, key, f: f([d[key] for d in r["reports"].values() if key in d]) if r["reports"] else None  # noqa: E731
+    out.update({
+        "size": size, "floor": floor,
+        "ratio": _med(r["time"] / floor for r in ok), "ratios": [round(r["time"] / floor, 3) for r in ok],
+        "seed_tx_ratio": _med(r["seed_tx"] / size for r in ok),
+        "cpu_per_gb": _med(statistics.mean(r["cpu"].values()) / gb for r in ok),
+        "busy": _med(r["busy"] for r in ok),
+        "slow_worst": _med(worst(r, set(slow)) for r in ok) if slow else None,
+        "fast_worst": _med(worst(r, set(range(1, n + 1)) - set(slow)) for r in ok),
+        "started_max": _med(rep(r, "started_at", max) for r in ok),
+        "first_med": _med(rep(r, "first_chunk_at", statistics.median) for r in ok),
+        "done_max": _med(rep(r, "done_at", max) for r in ok),
+        "exit_max": _med(r["time"] for r in ok),
+        "killed": [r["killed"] for r in ok if r.get("killed")],
+        "sim": sim_ratio(n, size, rate, args.chunk_size, variant) if case == "equal" and variant != BT else None,
+    })
+    return out
 
 
-def main(argv=None) -> int:
+def _f(x, fmt="{:.2f}", none="n/a"):
+    return none if x is None else fmt.format(x)
+
+
+def _cell(s: dict | None, key: str, fmt="{:.2f}") -> str:
+    if s is None:
+        return "n/a"
+    if s.get(key) is None and s.get("failed"):
+        return "FAIL"
+    return _f(s.get(key), fmt)
+
+
+MAIN_HEAD = ("| case | N | Mbit/s | plan | p2pw t/floor | libtorrent t/floor | p2pw/libtorrent | p2pw seed tx/S "
+             "| bt seed tx/S | p2pw CPU s/GB/peer | bt CPU s/GB/peer | sim t/floor | CPU busy |\n"
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+DETAIL_HEAD = ("| case | N | tool | plan | runs t/floor | slow hosts worst | other hosts worst | joined by s "
+               "| first chunk s | last chunk s | last exit s | killed (host @ s, rx/S) |\n"
+               "|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main_rows(summaries: list[dict]) -> list[str]:
+    rows = []
+    by = {(s["n"], s["case"], s["variant"]): s for s in summaries}
+    for s in summaries:
+        if s["variant"] == BT:
+            continue
+        bt = by.get((s["n"], s["case"], BT))
+        vs = (s["ratio"] / bt["ratio"]) if s.get("ratio") and bt and bt.get("ratio") else None
+        busy = [x.get("busy") for x in (s, bt) if x and x.get("busy") is not None]
+        rows.append(f"| {s['case']} | {s['n']} | {s['rate_mbit']:.0f} | {s['variant']} | {_cell(s, 'ratio')} | "
+                    f"{_cell(bt, 'ratio')} | {_f(vs)} | {_cell(s, 'seed_tx_ratio')} | {_cell(bt, 'seed_tx_ratio')} | "
+                    f"{_cell(s, 'cpu_per_gb', '{:.1f}')} | {_cell(bt, 'cpu_per_gb', '{:.1f}')} | {_f(s.get('sim'))} | "
+                    f"{_f(max(busy) if busy else None, '{:.0%}')} |")
+    if not rows:  # libtorrent alone
+        for s in summaries:
+            busy = s.get("busy")
+            rows.append(f"| {s['case']} | {s['n']} | {s['rate_mbit']:.0f} | n/a | n/a | {_cell(s, 'ratio')} | n/a | n/a | "
+                        f"{_cell(s, 'seed_tx_ratio')} | n/a | {_cell(s, 'cpu_per_gb', '{:.1f}')} | n/a | "
+                        f"{_f(busy, '{:.0%}')} |")
+    return rows
+
+
+def detail_rows(summaries: list[dict]) -> list[str]:
+    rows = []
+    for s in summaries:
+        tool, plan = (BT, "bt") if s["variant"] == BT else ("p2pw", s["variant"])
+        if s.get("ratio") is None:
+            rows.append(f"| {s['case']} | {s['n']} | {tool} | {plan} | FAIL: {'; '.join(s['errors'])[:200]} "
+                        "| | | | | | | |")
+            continue
+        killed = ", ".join(f"h{k['host']} @ {k['at_s']:.1f}, {k['rx'] / s['size']:.2f}" for k in s["killed"]) or ""
+        fails = f" ({s['failed']} failed)" if s["failed"] else ""
+        rows.append(f"| {s['case']} | {s['n']} | {tool} | {plan} | {', '.join(f'{x:.2f}' for x in s['ratios'])}{fails} | "
+                    f"{_f(s['slow_worst'])} | {_f(s['fast_worst'])} | {_f(s['started_max'])} | {_f(s['first_med'])} | "
+                    f"{_f(s['done_max'])} | {_f(s['exit_max'])} | {killed} |")
+    return rows
+
+
+def _versions() -> str:
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    try:
+        from importlib.metadata import version
+        lt = version("libtorrent")
+    except Exception:
+        lt = "not installed"
+    return f"p2pweights at {commit or '?'}, libtorrent {lt}"
+
+
+def _sigterm(*_):
+    raise SystemExit(143)  # unwind: the testbed and the temporary directory clean up
+
+
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", type=parse_size, help="checkpoint size (256MiB)")
-    ap.add_argument("--peers", help="comma-separated N values (1,2,4,8,16)")
-    ap.add_argument("--topologies", default=DEFAULT_TOPOLOGIES, help=f"comma-separated ({DEFAULT_TOPOLOGIES})")
+    ap.add_argument("--size", type=parse_size, help="checkpoint size (256MiB; --quick 32MiB)")
+    ap.add_argument("--peers", help="N, or comma-separated N values (8; --quick 3)")
     ap.add_argument("--rate", type=float, default=400, help="uplink cap of every host, Mbit/s (400)")
-    ap.add_argument("--full-rate-upto", type=int, default=8,
-                    help="N up to which every run uses --rate (8); beyond, the rate may be lowered (see above)")
-    ap.add_argument("--cpu-budget", type=float, default=0.75,
-                    help="largest share of the cores the peers may need before the rate is lowered (0.75)")
-    ap.add_argument("--chunk-size", type=parse_size, default=parse_size("1MiB"), help="chunk size (1MiB)")
-    ap.add_argument("--window", type=int, default=8, help="credit window the simulator assumes (p2pw's default 8)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per (N, topology); the table shows medians")
-    ap.add_argument("--star-repeat", type=int, default=1,
-                    help="runs of the star baseline (N x floor by construction, and the slowest), default 1")
-    ap.add_argument("--disk", action="store_true", help="peers write their copy to disk (--out)")
-    ap.add_argument("--quick", action="store_true", help="defaults for a smoke run: 32 MiB, N = 1, 3")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)} (all)")
+    ap.add_argument("--plans", default="default",
+                    help="p2pw plans, comma-separated: 'default' (no --topology flag) or a --topology value "
+                         "(binomial, chain, striped:2, ...); default: just the default plan")
+    ap.add_argument("--tools", default=f"p2pw,{BT}", help=f"p2pw and/or {BT} (both)")
+    ap.add_argument("--slow-hosts", default="1,2", help="hosts slow1 / slow2 throttle, in that order (1,2)")
+    ap.add_argument("--slow-factor", type=float, default=4, help="a slow host's uplink is rate / this (4)")
+    ap.add_argument("--repeat", type=int, help="runs per (case, tool, plan); the tables show medians (2; --quick 1)")
+    ap.add_argument("--chunk-size", type=parse_size, help="p2pw seed --chunk-size (default: the seeder's own)")
+    ap.add_argument("--piece-size", type=parse_size, default=256 << 10, help="libtorrent piece size (256KiB)")
+    ap.add_argument("--bt-utp", action="store_true", help="let libtorrent use uTP as well as TCP (default TCP only)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 32 MiB, N = 3, one repeat")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds one run may take (300)")
     ap.add_argument("--md", default=str(ROOT / "bench" / "results" / "broadcast.md"),
-                    help="write the markdown table here ('' for none)")
+                    help="write the markdown tables here ('' for none)")
     ap.add_argument("--json", help="also write every run's raw measurements here")
     args = ap.parse_args(argv)
     args.size = args.size or (32 << 20 if args.quick else 256 << 20)
-    args.peers = args.peers or ("1,3" if args.quick else "1,2,4,8,16")
+    args.peers = [int(x) for x in str(args.peers or (3 if args.quick else 8)).split(",")]
+    args.repeat = args.repeat or (1 if args.quick else 2)
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    bad = [c for c in args.cases if c not in CASES]
+    if bad:
+        ap.error(f"unknown case(s) {', '.join(bad)}; known: {', '.join(CASES)}")
+    tools = {t.strip() for t in args.tools.split(",") if t.strip()}
+    if not tools or tools - {"p2pw", BT}:
+        ap.error(f"--tools takes p2pw and/or {BT}")
+    args.variants = ([p.strip() for p in args.plans.split(",") if p.strip()] if "p2pw" in tools else []) + \
+        ([BT] if BT in tools else [])
+    args.slow_hosts = [int(x) for x in args.slow_hosts.split(",")]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     ok, why = Testbed.available()
     if not ok:
         print(f"broadcast: cannot build the testbed: {why}", file=sys.stderr)
         return 2
-    ns = [int(x) for x in args.peers.split(",")]
-    topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
+    if BT in args.variants:
+        try:
+            import libtorrent  # noqa: F401
+        except ImportError:
+            print("broadcast: libtorrent is not installed (pip install -e '.[bench]'), or use --tools p2pw",
+                  file=sys.stderr)
+            return 2
+    if max(args.slow_hosts) > min(args.peers):
+        print(f"broadcast: --slow-hosts {args.slow_hosts} beyond N = {min(args.peers)}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _sigterm)
     ncpu = os.cpu_count() or 1
-    summaries, raw = [], []
-    cpu_per_byte = None  # peer CPU seconds per byte received, from the last N measured
+    summaries, raw, failed = [], [], 0
     with tempfile.TemporaryDirectory(prefix="p2pw-bcast-") as work:
         model = f"{work}/model"
         write_synthetic_model(model, size_mb=args.size / (1 << 20), shards=2)
-        print(f"# broadcast: {args.size / (1 << 20):.0f} MiB synthetic checkpoint, chunks of "
-              f"{args.chunk_size >> 10} KiB, {'disk' if args.disk else 'memory'} sink, {ncpu} CPUs", flush=True)
-        print(HEADER, flush=True)
-        for n in ns:
+        size = sum(fleet.source_files(model).values())
+        torrent = None
+        if BT in args.variants:
+            torrent = f"{work}/model.torrent"
+            t = fleet.make_torrent(model, torrent, args.piece_size)
+            print(f"# torrent: {t['pieces']} pieces of {t['piece_size'] >> 10} KiB (v1)", file=sys.stderr)
+        intro = (f"{size / (1 << 20):.0f} MiB synthetic checkpoint (S = {size} file bytes), p2pw chunks "
+                 f"{'of ' + str(args.chunk_size >> 10) + ' KiB' if args.chunk_size else 'at the seeder default'}, "
+                 f"libtorrent pieces of {args.piece_size >> 10} KiB ({'TCP+uTP' if args.bt_utp else 'TCP only'}), "
+                 f"medians of {args.repeat} run(s), {ncpu} CPUs; {_versions()}")
+        print(f"# broadcast: {intro}", file=sys.stderr, flush=True)
+        for n in args.peers:
             rate = args.rate
-            if cpu_per_byte and n > args.full_rate_upto:
-                # the peers together receive about n x rate bytes/s
-                fit = args.cpu_budget * ncpu / (n * cpu_per_byte) * 8 / 1e6
-                rate = max(50.0, min(args.rate, 50 * (fit // 50)))
-            runs = {t: [] for t in topologies}
+            floor = size / (rate * 1e6 / 8)
+            runs = {(c, v): [] for c in args.cases for v in args.variants}
             with Testbed(n + 1, rate_mbit=rate) as tb:
-                for rep in range(args.repeat):  # interleaved, so that the machine's noise hits all alike
-                    for topo in topologies:
-                        if topo == "star" and rep >= args.star_repeat:
-                            continue
-                        runs[topo].append(run_once(tb, model, n, topo, args.chunk_size, work, args.disk,
-                                                   args.timeout))
-            for topo in topologies:
-                raw.extend(runs[topo])
-                s = summarize(runs[topo], rate, args.chunk_size, args.window)
-                summaries.append(s)
-                print(row(s), flush=True)
-            fwd = [s for s in summaries if s["n"] == n and s["topology"] != "star"] or \
-                  [s for s in summaries if s["n"] == n]
-            cpu_per_byte = max(s["cpu_per_gb"] for s in fwd) / 1e9
+                for rep in range(args.repeat):
+                    for case in args.cases:
+                        tb.set_rates(case_rates(case, rate, args.slow_hosts, args.slow_factor))
+                        order = args.variants if rep % 2 == 0 else args.variants[::-1]
+                        for v in order:
+                            try:
+                                r = one_run(tb, v, model, torrent, n, work, case, args)
+                            except fleet.CopyMismatch as exc:
+                                print(f"broadcast: COPY MISMATCH ({case}, {v}, N = {n}): {exc}", file=sys.stderr)
+                                return 1
+                            except fleet.RunFailed as exc:
+                                failed += 1
+                                r = {"error": str(exc)[:1500]}
+                                print(f"broadcast: FAILED {case} {v} N={n} rep {rep + 1}: {exc}", file=sys.stderr)
+                            r.update(case=case, variant=v, rep=rep, n=n)
+                            runs[(case, v)].append(r)
+                            raw.append(r)
+                            if "error" not in r:
+                                print(f"  [{rep + 1}/{args.repeat}] N={n} {case:<5} {v:<10} {r['time']:6.2f} s = "
+                                      f"{r['time'] / floor:.2f} x floor, seed tx {r['seed_tx'] / size:.2f} S, "
+                                      f"busy {r['busy']:.0%}", file=sys.stderr, flush=True)
+            for case in args.cases:
+                slow = case_rates(case, rate, args.slow_hosts, args.slow_factor)
+                for v in args.variants:
+                    summaries.append(summarize(runs[(case, v)], case, v, n, rate, slow, args))
+    floors = ", ".join(f"N = {s['n']}: {s['floor']:.2f} s" for s in summaries if s.get("floor"))
+    text = (f"{intro}.\n\nfloor = S / B at {args.rate:g} Mbit/s"
+            f" ({floors.split(', ')[0] if floors else 'n/a'}); t/floor is launch to the last exit 0"
+            f" (kill: of the survivors).\n\n{MAIN_HEAD}\n" + "\n".join(main_rows(summaries)) +
+            f"\n\nPer host (medians; seconds since launch; slow/other hosts worst = that group's last exit / floor; "
+            f"joined by = last join()/session start, first chunk = median first verified chunk, last chunk = last "
+            f"verified chunk, from the receivers' --report):\n\n{DETAIL_HEAD}\n" + "\n".join(detail_rows(summaries)) + "\n")
+    print(text)
     if args.md:
         cmd = "sudo .venv/bin/python bench/broadcast.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        text = (f"# Broadcast on emulated hosts\n\n`{cmd.strip()}`\n\n"
-                f"{args.size / (1 << 20):.0f} MiB checkpoint, {args.chunk_size >> 10} KiB chunks, "
-                f"{'disk' if args.disk else 'in-memory'} sink, medians of {args.repeat} run(s), {ncpu} CPUs; "
-                f"floor = S / B at the row's rate.\n\n{HEADER}\n" + "\n".join(row(s) for s in summaries) + "\n")
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.md).write_text(text)
+        Path(args.md).write_text(f"# Broadcast on emulated hosts\n\n`{cmd.strip()}` ({when})\n\n{text}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"summaries": summaries, "runs": raw}, indent=1))
-    return 0
+        Path(args.json).write_text(json.dumps({"summaries": summaries, "runs": raw}, indent=1, default=str))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

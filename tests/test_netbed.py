@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "netbed"))
 
 import testbed  # noqa: E402
-from testbed import ForeignNamespaceError, Testbed, check_cap, list_netns  # noqa: E402
+from testbed import ForeignNamespaceError, Testbed, check_cap, flows, list_netns  # noqa: E402
 
 _ok, _why = Testbed.available()
 pytestmark = pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_why}")
@@ -72,3 +72,17 @@ def test_latency_without_netem_is_a_clear_error():
             pass  # this kernel has netem: nothing to check
     except testbed.NetemUnavailable as exc:
         assert "netem" in str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_per_host_rate():
+    """rates={1: 25}: host 1's class holds 25 Mbit/s, the others 100; its flow stays under 25."""
+    with Testbed(3, rate_mbit=100, rates={1: 25}) as tb:
+        assert [tb.class_rate(i) for i in range(3)] == [100_000_000, 25_000_000, 100_000_000]
+        assert tb.rate_of(1) == 25 and tb.rate_of(2) == 100
+        slow = flows(tb, [(1, 2)], seconds=1.5, port=5301)
+        tb.set_rates({2: 50})                       # changed in place, host 1 back to the default
+        assert [tb.class_rate(i) for i in range(3)] == [100_000_000, 100_000_000, 50_000_000]
+    # Generous lower bound (a shared 2-core machine); the cap itself is a hard upper bound.
+    assert 0.5 * 25 <= slow["mbit"] <= 25 * 1.05, slow
+    assert slow["tx_bytes"] >= slow["bytes"]        # frame bytes include the headers

@@ -1,5 +1,6 @@
 """Broadcast on emulated hosts (bench/netbed): every topology runs end to end through
-``p2pw seed --topology T`` and ``p2pw join``, one peer per network namespace.
+``p2pw seed --topology T`` and ``p2pw join --out DIR``, one peer per network namespace,
+as ``bench/broadcast.py`` runs it (``bench/fleet.py``: every copy compared byte for byte).
 
 Skips where namespaces cannot be made (not root, no iproute2).  The Testbed kills
 every process it started and deletes every namespace it made, also on failure.
@@ -37,15 +38,16 @@ def model(tmp_path_factory):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("topo", ["star", "binomial", "chain", "kary:2", "striped:2"])
 def test_broadcast_to_three_hosts(topo, model, tmp_path):
-    import broadcast
+    import fleet
     from p2pweights import topology
 
     with Testbed(N + 1, rate_mbit=400) as tb:
         run_id = tb.run_id
-        r = broadcast.run_once(tb, model, N, topo, CHUNK, str(tmp_path), disk=False, timeout=60)
+        r = fleet.run_p2pw(tb, model, N, str(tmp_path), plan=topo, chunk=CHUNK, timeout=60)
     assert not [ns for ns in list_netns() if run_id in ns]
-    size = r["size"]
-    assert r["peer_bytes"] == [size] * N           # each join exited 0: every chunk verified
+    size = r["blob_size"]
+    assert sorted(r["exits"]) == [1, 2, 3]         # each join exited 0, its files equal to the source's
+    assert [r["reports"][h]["bytes"] for h in (1, 2, 3)] == [size] * N
     tx = r["seed_tx"] / size                       # frame bytes: a few % over payload
     if topo == "star":
         assert tx >= N * 0.99

@@ -3,13 +3,18 @@
 This module owns the life of one testbed: the namespaces it creates, the
 processes it starts inside them, and their removal.
 
-Layout of ``Testbed(hosts=n, rate_mbit=R)`` with run id ``abc123``::
+Layout of ``Testbed(hosts=n, rate_mbit=R, rates={i: R_i})`` with run id ``abc123``::
 
     p2pwnb-abc123-sw        the "switch": a namespace holding bridge br0
       br0 -- p0 ... p{n-1}  switch-side veth ends, enslaved to br0 (uncapped)
     p2pwnb-abc123-h{i}      host i: lo up, eth0 = 10.77.0.{i+1}/24, the peer
-                            of p{i}; eth0 egress is htb rate=ceil=R (the
-                            host's uplink); the route sets congctl cubic
+                            of p{i}; eth0 egress is htb rate=ceil=R_i (the
+                            host's uplink: R unless ``rates`` names host i);
+                            the route sets congctl cubic
+
+A host's cap can be changed while the testbed runs (``set_rate(i, mbit)``,
+``set_rates({i: mbit})``: an in-place ``tc class change``) and read back from
+the kernel (``class_rate(i)``, bits/s as ``tc`` reports it).
 
 The root namespace is never modified: veth pairs are created inside the
 switch namespace and their peers moved straight into the host namespace.
@@ -29,6 +34,7 @@ import atexit
 import ipaddress
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -119,7 +125,10 @@ atexit.register(_teardown_live)
 
 
 class Testbed:
-    """``hosts`` emulated hosts on one bridge, each uplink capped at ``rate_mbit``."""
+    """``hosts`` emulated hosts on one bridge, each uplink capped at ``rate_mbit``.
+
+    ``rates`` ({host index: Mbit/s}) gives some hosts their own uplink cap.
+    """
 
     __test__ = False  # not a pytest test class, despite the name
 
@@ -130,6 +139,7 @@ class Testbed:
         latency_ms: float = 0,
         subnet: str = "10.77.0.0/24",
         congctl: str = "cubic",
+        rates: dict[int, float] | None = None,
     ):
         net = ipaddress.ip_network(subnet)
         if hosts < 1 or hosts > net.num_addresses - 2:
@@ -138,6 +148,13 @@ class Testbed:
             raise ValueError("rate_mbit must be > 0")
         self.hosts = hosts
         self.rate_mbit = float(rate_mbit)
+        self.rates: dict[int, float] = {}  # hosts whose cap differs from rate_mbit
+        for i, r in (rates or {}).items():
+            if not 0 <= i < hosts:
+                raise ValueError(f"rates names host {i}, not in 0..{hosts - 1}")
+            if r <= 0:
+                raise ValueError(f"rate of host {i} must be > 0")
+            self.rates[int(i)] = float(r)
         self.latency_ms = float(latency_ms)
         self.congctl = congctl
         self._net = net
@@ -160,6 +177,11 @@ class Testbed:
         """IPv4 address of host i's eth0 (10.77.0.{i+1} by default)."""
         self.ns(i)
         return str(self._net.network_address + i + 1)
+
+    def rate_of(self, i: int) -> float:
+        """Configured uplink cap of host i, Mbit/s."""
+        self.ns(i)
+        return self.rates.get(i, self.rate_mbit)
 
     @property
     def namespaces(self) -> list[str]:
@@ -245,21 +267,27 @@ class Testbed:
         # The kernel's connected route, replaced to carry the congestion control.
         _ip("-n", ns, "route", "replace", str(self._net), "dev", "eth0", "proto", "kernel",
             "scope", "link", "src", self.addr(i), "congctl", self.congctl)
-        self._cap(ns)
+        self._cap(i)
 
-    def _cap(self, ns: str) -> None:
-        rate_bps = self.rate_mbit * 1e6
+    @staticmethod
+    def _htb_class(mbit: float) -> list[str]:
+        """htb class parameters for a cap of ``mbit``: rate = ceil, and its bursts."""
+        rate_bps = mbit * 1e6
         # Burst: 1 ms at rate, but at least two 64 KiB GSO segments (veth does
         # GSO, so htb sees super-packets); quantum only matters between classes.
         burst = max(int(rate_bps / 8 / 1000), 2 * 65536 + 2 * 1514)
         quantum = min(200000, max(1514, burst))
         rate = f"{int(rate_bps)}bit"
+        return ["htb", "rate", rate, "ceil", rate, "burst", str(burst), "cburst", str(burst),
+                "quantum", str(quantum)]
+
+    def _cap(self, i: int) -> None:
+        ns = self.ns(i)
         tc = ["tc", "-n", ns]
         self._run([*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb",
                    "default", "10"])
         self._run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:10",
-                   "htb", "rate", rate, "ceil", rate, "burst", str(burst),
-                   "cburst", str(burst), "quantum", str(quantum)])
+                   *self._htb_class(self.rate_of(i))])
         if self.latency_ms > 0:
             cp = subprocess.run([*tc, "qdisc", "add", "dev", "eth0", "parent", "1:10",
                                  "handle", "10:", "netem", "delay", f"{self.latency_ms}ms",
@@ -280,6 +308,39 @@ class Testbed:
 
     # -- use -------------------------------------------------------------------
 
+    def set_rate(self, i: int, mbit: float | None) -> None:
+        """Change host i's uplink cap now (None: back to ``rate_mbit``)."""
+        if mbit is not None and mbit <= 0:
+            raise ValueError(f"rate of host {i} must be > 0")
+        self.ns(i)
+        if mbit is None or float(mbit) == self.rate_mbit:
+            self.rates.pop(i, None)
+        else:
+            self.rates[i] = float(mbit)
+        self._run(["tc", "-n", self.ns(i), "class", "change", "dev", "eth0", "parent", "1:",
+                   "classid", "1:10", *self._htb_class(self.rate_of(i))])
+
+    def set_rates(self, rates: dict[int, float]) -> None:
+        """Give the hosts in ``rates`` those caps and every other host ``rate_mbit``."""
+        for i in range(self.hosts):
+            want = rates.get(i)
+            if self.rate_of(i) != (want or self.rate_mbit):
+                self.set_rate(i, want)
+
+    def class_rate(self, i: int) -> int:
+        """Host i's uplink cap as the kernel holds it (htb class 1:10 rate, bits/s).
+
+        Parsed from ``tc -s class show`` text (this iproute2 has no JSON for classes).
+        """
+        cp = subprocess.run(["tc", "-n", self.ns(i), "-s", "class", "show", "dev", "eth0"],
+                            capture_output=True, text=True)
+        if cp.returncode != 0:
+            raise TestbedError(f"tc class show in {self.ns(i)}: {cp.stderr.strip()}")
+        m = re.search(r"class htb 1:10 .*?\brate (\d+(?:\.\d+)?)([KMG]?)bit", cp.stdout)
+        if m:
+            return round(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)])
+        raise TestbedError(f"no htb class 1:10 on {self.ns(i)} eth0")
+
     def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:
         """Start argv inside host i's namespace; teardown kills it by PID.
 
@@ -295,6 +356,21 @@ class Testbed:
         """Bytes host i's eth0 has transmitted (frame bytes, from the kernel)."""
         cp = _ip("-n", self.ns(i), "-j", "-s", "link", "show", "dev", "eth0")
         return int(json.loads(cp.stdout)[0]["stats64"]["tx"]["bytes"])
+
+    def counters(self) -> dict[int, tuple[int, int]]:
+        """{host: (bytes it transmitted, bytes it received)} for every host, in one call.
+
+        Read from the switch side of each link (port p{i} receives what host i
+        sends), so one ``ip`` process serves all hosts: cheap enough to poll.
+        """
+        cp = _ip("-n", self.switch_ns, "-j", "-s", "link", "show")
+        out = {}
+        for link in json.loads(cp.stdout):
+            name = link.get("ifname", "")
+            if name.startswith("p") and name[1:].isdigit():
+                st = link["stats64"]
+                out[int(name[1:])] = (int(st["rx"]["bytes"]), int(st["tx"]["bytes"]))
+        return out
 
     def rx_bytes(self, i: int) -> int:
         """Bytes host i's eth0 has received."""
@@ -378,7 +454,7 @@ def cpu_busy(before, after) -> list[float]:
     return [(b1 - b0) / max(1, t1 - t0) for (b0, t0), (b1, t1) in zip(before, after)]
 
 
-def _flows(tb: Testbed, pairs: list[tuple[int, int]], seconds: float, port: int) -> dict:
+def flows(tb: Testbed, pairs: list[tuple[int, int]], seconds: float, port: int) -> dict:
     """Run one TCP flow per (src, dst) pair at once; return aggregate goodput."""
     py = sys.executable
     recvs = []
@@ -430,9 +506,9 @@ def check_cap(tb: Testbed, seconds: float = 2.0, port: int = 5201) -> dict:
     out = {
         "rate_mbit": tb.rate_mbit,
         "expected_mbit": tb.rate_mbit * TCP_GOODPUT_FRACTION,
-        "single": _flows(tb, [(0, 1)], seconds, port),
+        "single": flows(tb, [(0, 1)], seconds, port),
         "dual": None,
     }
     if tb.hosts >= 3:
-        out["dual"] = _flows(tb, [(0, 1), (0, 2)], seconds, port + 10)
+        out["dual"] = flows(tb, [(0, 1), (0, 2)], seconds, port + 10)
     return out

@@ -1,0 +1,321 @@
+"""One timed broadcast on the emulated hosts, timed the way a user waits for it.
+
+A run starts the seeder in host 0 and waits until it serves (not timed: the
+seeder is up before anyone joins), then launches one receiver process per peer
+host at once (``p2pw join --out DIR`` or a libtorrent leecher, ``bt_peer.py``)
+and times from just before the first launch to the last receiver's exit with
+status 0: interpreter start and imports, connecting, the transfer, the files
+on disk, and staying while others still depend on it.  Per host it keeps the
+exit time, the exit status and the CPU seconds (``os.wait4`` rusage), and the
+receiver's own ``--report`` (started / first chunk / done, wall clock, turned
+into seconds since the launch).
+
+With ``kill=True`` one receiver gets SIGKILL at a third of the transfer: the
+live receiver that has uploaded the most so far (an interior peer when the
+plan has any; every leecher uploads under BitTorrent), once it has received
+S/3 bytes (its host's kernel counters); the time is then the last survivor's
+exit, and every survivor must still exit 0.
+
+Every surviving copy is compared byte for byte with the source directory; a
+difference raises ``CopyMismatch`` naming the host, file and offset.  All
+processes run through the ``Testbed``, which ends them by PID on any exit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "netbed"))
+
+from testbed import Testbed, cpu_busy, cpu_times  # noqa: E402
+
+P2PW = [sys.executable, "-m", "p2pweights"]
+BT_PEER = [sys.executable, str(ROOT / "bench" / "bt_peer.py")]
+P2PW_PORT, BT_PORT = 7420, 6881
+POLL = 0.01        # seconds between exit checks
+KILL_POLL = 0.1    # seconds between counter reads while waiting to kill
+
+
+class RunFailed(RuntimeError):
+    """A run did not complete: a receiver failed or timed out, or the seeder did not start."""
+
+
+class CopyMismatch(RunFailed):
+    """A receiver exited 0 but its copy differs from the source."""
+
+
+def source_files(model: str) -> dict[str, int]:
+    """{relative path: size} of every file under the checkpoint directory."""
+    root = Path(model)
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def compare_copy(model: str, copy_root: str, host: int, block: int = 8 << 20) -> None:
+    """Raise CopyMismatch unless every source file exists under copy_root with the same bytes."""
+    for rel, size in source_files(model).items():
+        dst = Path(copy_root) / rel
+        if not dst.is_file():
+            raise CopyMismatch(f"host {host}: {rel} missing from its copy {copy_root}")
+        if dst.stat().st_size != size:
+            raise CopyMismatch(f"host {host}: {rel} is {dst.stat().st_size} bytes, the source {size}")
+        with open(Path(model) / rel, "rb") as a, open(dst, "rb") as b:
+            off = 0
+            while True:
+                x, y = a.read(block), b.read(block)
+                if x != y:
+                    k = next((k for k in range(min(len(x), len(y))) if x[k] != y[k]), min(len(x), len(y)))
+                    raise CopyMismatch(f"host {host}: {rel} differs from the source at byte {off + k}")
+                if not x:
+                    break
+                off += len(x)
+
+
+@dataclass
+class Receiver:
+    """One launched receiver: its host, process, log, report file and where its copy lands."""
+    host: int
+    proc: subprocess.Popen
+    log: Path
+    report: Path
+    copy_root: Path
+    exit_s: float | None = None
+    rc: int | None = None
+    cpu: float = 0.0
+
+
+@dataclass
+class Killer:
+    """Decides when to SIGKILL whom: the busiest live uploader, once it has received S/3."""
+    size: int
+    base: dict = field(default_factory=dict)  # counters at launch
+    host: int | None = None
+    at_s: float | None = None
+    rx: int = 0
+
+    def pick(self, counters: dict, live: list[int]) -> int | None:
+        if not live:
+            return None
+        sent = {h: counters[h][0] - self.base[h][0] for h in live}
+        victim = max(live, key=lambda h: (sent[h], -h))
+        got = counters[victim][1] - self.base[victim][1]
+        return victim if got >= self.size / 3 else None
+
+
+def _tail(path: Path, n: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:].strip()
+    except OSError:
+        return ""
+
+
+def _reap(p: subprocess.Popen) -> tuple[int, float] | None:
+    """(exit code, user+sys CPU seconds) if p has exited, else None; reaps it."""
+    pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+    if not pid:
+        return None
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, ru.ru_utime + ru.ru_stime
+
+
+def _stop(p: subprocess.Popen, timeout: float = 30) -> tuple[int, float]:
+    """SIGTERM p if it still runs, wait for it (SIGKILL after timeout); (exit code, CPU seconds)."""
+    got = _reap(p) if p.returncode is None else (p.returncode, 0.0)
+    if got:
+        return got
+    p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = _reap(p)
+        if got:
+            return got
+        time.sleep(0.02)
+    p.kill()
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, ru.ru_utime + ru.ru_stime
+
+
+def _start_seeder(tb: Testbed, argv: list[str], ready: Path, log: Path, timeout: float = 120):
+    with open(log, "wb") as f:
+        p = tb.popen(0, argv, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while not ready.exists() or not ready.stat().st_size:
+        if p.returncode is not None or _reap(p):
+            raise RunFailed(f"seeder exited {p.returncode} before serving: {_tail(log)}")
+        if time.monotonic() > deadline:
+            _stop(p, 5)
+            raise RunFailed(f"seeder not serving after {timeout:.0f} s: {_tail(log)}")
+        time.sleep(0.02)
+    time.sleep(0.05)  # the ready file is written; let the writer close it
+    return p
+
+
+def _timed(tb: Testbed, model: str, n: int, work: Path, tag: str, seeder, receivers_argv, copy_root,
+           kill: bool, timeout: float, on_kill=None) -> dict:
+    """Launch hosts 1..n's receivers, wait for them (killing one if asked), verify, measure."""
+    size = sum(source_files(model).values())
+    killer = Killer(size) if kill else None
+    c0 = tb.counters()
+    if killer:
+        killer.base = c0
+    busy0 = cpu_times()
+    receivers = []
+    t0 = time.monotonic()
+    wall0 = time.time()
+    for h in range(1, n + 1):
+        log, report = work / f"{tag}.h{h}.log", work / f"{tag}.h{h}.json"
+        with open(log, "wb") as f:
+            p = tb.popen(h, receivers_argv(h, report), stdout=f, stderr=subprocess.STDOUT)
+        receivers.append(Receiver(h, p, log, report, copy_root(h)))
+    next_counters = t0
+    try:
+        while True:
+            live = [r for r in receivers if r.rc is None]
+            for r in live:
+                got = _reap(r.proc)
+                if got:
+                    r.exit_s, (r.rc, r.cpu) = time.monotonic() - t0, got
+                    if r.rc != 0 and not (killer and r.host == killer.host):
+                        raise RunFailed(f"host {r.host} exited {r.rc} after {r.exit_s:.1f} s: {_tail(r.log)}")
+            live = [r for r in receivers if r.rc is None]
+            if not live:
+                break
+            now = time.monotonic()
+            if now - t0 > timeout:
+                raise RunFailed(f"hosts {[r.host for r in live]} still running after {timeout:.0f} s: "
+                                f"{_tail(live[0].log)}")
+            if killer and killer.host is None and now >= next_counters:
+                next_counters = now + KILL_POLL
+                counters = tb.counters()
+                victim = killer.pick(counters, [r.host for r in live])
+                if victim is not None:
+                    r = next(r for r in receivers if r.host == victim)
+                    r.proc.send_signal(signal.SIGKILL)
+                    killer.host, killer.at_s = victim, time.monotonic() - t0
+                    killer.rx = counters[victim][1] - c0[victim][1]
+                    if on_kill:
+                        on_kill(victim)
+            time.sleep(POLL)
+        c1 = tb.counters()
+        busy = cpu_busy(busy0, cpu_times())
+    finally:
+        for r in receivers:
+            if r.rc is None:
+                r.rc, r.cpu = _stop(r.proc, 5)
+        seed_rc, seed_cpu = _stop(seeder)
+    if kill and killer.host is None:
+        raise RunFailed("the kill never fired: every receiver finished before receiving S/3")
+    survivors = [r for r in receivers if not (killer and r.host == killer.host)]
+    for r in survivors:
+        compare_copy(model, str(r.copy_root), r.host)
+    reports = {}
+    for r in survivors:
+        try:
+            doc = json.loads(r.report.read_text())
+        except (OSError, ValueError):
+            continue
+        reports[r.host] = {**doc, **{k: doc[k] - wall0 for k in ("started_at", "first_chunk_at", "done_at")
+                                     if isinstance(doc.get(k), (int, float))}}
+    return {
+        "n": n, "size": size, "rates": {h: tb.rate_of(h) for h in range(tb.hosts)},
+        "time": max(r.exit_s for r in survivors),
+        "exits": {r.host: r.exit_s for r in survivors},
+        "cpu": {r.host: r.cpu for r in survivors},
+        "seed_cpu": seed_cpu, "seed_rc": seed_rc,
+        "seed_tx": c1[0][0] - c0[0][0],
+        "host_tx": {h: c1[h][0] - c0[h][0] for h in range(tb.hosts)},
+        "busy": sum(busy) / len(busy),
+        "reports": reports,
+        "killed": None if not killer else {"host": killer.host, "at_s": killer.at_s, "rx": killer.rx},
+        "receivers": receivers,
+    }
+
+
+def _cleanup(paths) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = None, chunk: int | None = None,
+             kill: bool = False, timeout: float = 300, keep: bool = False) -> dict:
+    """p2pw: ``p2pw seed`` in host 0, ``p2pw join --parent H0 --out DIR --report F -q`` in hosts 1..n.
+
+    ``plan`` None: the seeder's default (no --topology); ``chunk`` None: its default chunk size.
+    """
+    work = Path(work)
+    tag = f"p2pw-{(plan or 'default').replace(':', '')}-{time.monotonic_ns()}"
+    ready, seed_report, seed_log = work / f"{tag}.ready", work / f"{tag}.seed.json", work / f"{tag}.seed.log"
+    argv = [*P2PW, "seed", model, "--port", str(P2PW_PORT), "--ready", str(ready), "--report", str(seed_report)]
+    if plan:
+        argv += ["--topology", plan]
+    if chunk:
+        argv += ["--chunk-size", str(chunk)]
+    outs = {h: work / f"{tag}.out{h}" for h in range(1, n + 1)}
+    parent = f"{tb.addr(0)}:{P2PW_PORT}"
+    try:
+        seeder = _start_seeder(tb, argv, ready, seed_log)
+        r = _timed(tb, model, n, work, tag, seeder,
+                   lambda h, rep: [*P2PW, "join", "--parent", parent, "--out", str(outs[h]), "--report", str(rep),
+                                   "-q"],
+                   lambda h: outs[h], kill, timeout)
+    finally:
+        if not keep:
+            _cleanup(outs.values())
+    try:
+        doc = json.loads(seed_report.read_text())
+        r["settled"] = {int(k): m["parents"] for k, m in doc.get("peers", {}).items()}
+        r["seed_bytes_sent"] = doc.get("bytes_sent")
+    except (OSError, ValueError):
+        r["settled"] = {}
+    r["blob_size"] = json.loads(ready.read_text()).get("total_size")
+    r.update(tool="p2pw", plan=plan or "default")
+    r.pop("receivers")
+    return r
+
+
+def make_torrent(model: str, out: str, piece_size: int) -> dict:
+    """Write the .torrent of the checkpoint (bt_peer.py torrent); returns its description."""
+    cp = subprocess.run([*BT_PEER, "torrent", model, "-o", out, "--piece-size", str(piece_size)],
+                        capture_output=True, text=True)
+    if cp.returncode != 0:
+        raise RunFailed(f"making the torrent failed: {cp.stderr.strip()[-1500:]}")
+    return json.loads(cp.stdout.strip().splitlines()[-1])
+
+
+def run_libtorrent(tb: Testbed, model: str, torrent: str, n: int, work: str, *, kill: bool = False,
+                   utp: bool = False, timeout: float = 300, keep: bool = False) -> dict:
+    """libtorrent: a seeder in host 0, one leecher per host 1..n, each told every other host's address."""
+    work = Path(work)
+    tag = f"bt-{time.monotonic_ns()}"
+    ready, seed_log, done = work / f"{tag}.ready", work / f"{tag}.seed.log", work / f"{tag}.done"
+    done.mkdir()
+    name = Path(model).resolve().name
+    extra = ["--utp"] if utp else []
+    argv = [*BT_PEER, "seed", torrent, model, "--listen", f"{tb.addr(0)}:{BT_PORT}", "--ready", str(ready),
+            "--done-dir", str(done), "--expect", str(n), *extra]
+    outs = {h: work / f"{tag}.out{h}" for h in range(1, n + 1)}
+
+    def leech(h, rep):
+        peers = ",".join(f"{tb.addr(i)}:{BT_PORT}" for i in range(n + 1) if i != h)
+        return [*BT_PEER, "leech", torrent, "--out", str(outs[h]), "--listen", f"{tb.addr(h)}:{BT_PORT}",
+                "--peers", peers, "--done-dir", str(done), "--expect", str(n), "--name", f"h{h}",
+                "--report", str(rep), *extra]
+
+    try:
+        seeder = _start_seeder(tb, argv, ready, seed_log)
+        r = _timed(tb, model, n, work, tag, seeder, leech, lambda h: outs[h] / name, kill, timeout,
+                   on_kill=lambda h: (done / f"h{h}.gone").write_text(""))
+    finally:
+        if not keep:
+            _cleanup([*outs.values(), done])
+    r.update(tool="libtorrent", plan="bt-tcp" if not utp else "bt-utp")
+    r.pop("receivers")
+    return r
