@@ -181,7 +181,7 @@ class Download:
     @property
     def parents(self) -> list[dict]:
         """Our planned source in each stripe now (the tracker may have moved us since we joined)."""
-        return self.node.parents()
+        return self.node.partners.parents()
 
     @property
     def stats(self):
@@ -381,7 +381,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         node.pull.verified(index)
     node.attach_tracker(link, tracker_addr, welcome["rank"])
     partners = welcome.get("partners") if isinstance(welcome.get("partners"), list) else []
-    node.set_plan(welcome["parents"], partners, welcome["stripes"])
+    node.partners.set_plan(welcome["parents"], partners, welcome["stripes"])
     if cache is not None:
         cache.on_error = node.fail
         node.extra_done.append(cache.finished.is_set)

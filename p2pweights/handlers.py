@@ -42,7 +42,7 @@ class Handlers:
         elif sock is n.inbox:
             handler = self.on_inbox
         else:
-            link = next((lk for lk in n.links.values() if lk.socket is sock), None)
+            link = next((lk for lk in n.partners.links.values() if lk.socket is sock), None)
             if link is None:  # closed earlier in this poll
                 return
             handler = lambda s, link=link: self.on_link(link)  # noqa: E731
@@ -113,14 +113,14 @@ class Handlers:
                 raise ProtocolError(f"HAVE names chunk {max(event.indices)}; the blob has {n.manifest.n_chunks}")
             n.pull.has(link.rank, event.indices)
         elif event.type == Msg.ERROR and event.fields.get("fatal"):
-            if "model id" in str(event.fields.get("message")) or len(n.links) <= 1:  # nobody else to ask
+            if "model id" in str(event.fields.get("message")) or len(n.partners.links) <= 1:  # nobody else to ask
                 n._fail(f"partner {link.addr} refused us: {event.fields.get('message')}")
             else:
-                n.give_up(link.rank, f"refused us: {event.fields.get('message')}")
+                n.partners.give_up(link.rank, f"refused us: {event.fields.get('message')}")
         elif event.type == Msg.ERROR:  # it lost our state (restarted?): attach again, ask again
             log.warning("partner %s: %s; attaching again", link.addr, event.fields.get("message"))
-            n._close_link(link.rank)
-            n._open_link(link.rank, link.addr)
+            n.partners.close(link.rank)
+            n.partners.open(link.rank, link.addr)
 
     def on_chunk(self, link, index: int) -> None:
         """A chunk arrived: verify it in place, then publish it, or drop it and ask again."""
@@ -152,7 +152,7 @@ class Handlers:
         log.warning("chunk %d from partner rank %d failed verification (%d bytes): dropped, fetching it again",
                     index, link.rank, got)
         if n.pull.links[link.rank].bad >= MAX_BAD_FROM_PARENT:
-            n.give_up(link.rank, f"sent {n.pull.links[link.rank].bad} chunks that failed verification")
+            n.partners.give_up(link.rank, f"sent {n.pull.links[link.rank].bad} chunks that failed verification")
 
     # ----- tracker link (peers only) ---------------------------------------
 
@@ -160,18 +160,15 @@ class Handlers:
         n = self.node
         try:
             frames = sock.recv_multipart(zmq.NOBLOCK)
-            event = n.tracker_conn.receive(protocol.decode(frames))
+            event = n.member.conn.receive(protocol.decode(frames))
         except ProtocolError as e:
             n.stats.malformed += 1
             log.warning("tracker %s sent a bad message: %s", n.tracker_addr, e)
             return
-        n.tracker_heard = n.clock()
+        n.member.heard_from(n.clock())
         f = event.fields
         if event.type == Msg.WELCOME:  # a restarted tracker took us back
-            if n.hello_sent:
-                log.warning("tracker %s is back: we are rank %d", n.tracker_addr, f["rank"])
-            n.hello_sent = 0.0
-            n.done_reported = False  # tell the (new) tracker again
+            n.member.welcomed_again(f["rank"])
             n.rank = f["rank"]
             self._plan(f)
         elif event.type == Msg.LEAVE_OK:
@@ -181,8 +178,8 @@ class Handlers:
             self._plan(f)
         elif event.type == Msg.ERROR:  # it does not know us (restarted): introduce ourselves at once
             log.warning("tracker: %s", f.get("message"))
-            if n.clock() - n.hello_sent > 1.0:
-                n._reintroduce(n.clock())
+            if n.clock() - n.member.hello_sent > 1.0:
+                n.member.reintroduce(n.clock())
 
     def _plan(self, f: dict) -> None:
         n = self.node
@@ -191,9 +188,9 @@ class Handlers:
             n.stats.malformed += 1
             log.warning("tracker sent a plan that is not lists: ignored")
             return
-        old = {p["rank"] for p in n.plan}
-        n.set_plan(parents, partners)
-        new = {p["rank"] for p in n.plan}
+        old = {p["rank"] for p in n.partners.plan}
+        n.partners.set_plan(parents, partners)
+        new = {p["rank"] for p in n.partners.plan}
         if new - old:
             log.info("new planned source(s) %s", ", ".join(f"rank {r}" for r in sorted(new - old)))
 

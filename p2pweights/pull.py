@@ -90,17 +90,19 @@ class PullScheduler:
         self.plan: list[int | None] = [None] * stripes
         self.stripe_of = np.arange(n_chunks) % stripes
         self.cancels: dict[int, list[int]] = {}  # rank -> chunks to CANCEL there (see take_cancels)
-        self.duplicates = 0
+        self.dirty = True  # something changed since the last ``requests``: decide again
 
     # ----- links -------------------------------------------------------------
 
     def add(self, rank: int) -> None:
         """A link to partner ``rank`` is opening (nothing is asked of it before ``ready``)."""
+        self.dirty = True
         if rank not in self.links:
             self.links[rank] = Link(rank, self.n, window=self.default_window)
 
     def ready(self, rank: int, holds) -> None:
         """Partner ``rank`` attached us and holds the chunks set in ``holds``."""
+        self.dirty = True
         link = self.links[rank]
         if link.holds is not None:
             self.holders -= link.holds
@@ -109,6 +111,7 @@ class PullScheduler:
 
     def has(self, rank: int, indices) -> None:
         """Partner ``rank`` verified ``indices`` (a HAVE)."""
+        self.dirty = True
         link = self.links.get(rank)
         if link is None or link.holds is None:
             return
@@ -119,6 +122,7 @@ class PullScheduler:
 
     def drop(self, rank: int) -> list[int]:
         """Forget partner ``rank`` (gone or given up); its requests are free to ask elsewhere."""
+        self.dirty = True
         link = self.links.pop(rank, None)
         if link is None:
             return []
@@ -131,6 +135,7 @@ class PullScheduler:
 
     def set_plan(self, plan: list[int | None]) -> None:
         """The planned source (partner rank) of each stripe."""
+        self.dirty = True
         self.plan = list(plan)
 
     # ----- chunks ------------------------------------------------------------
@@ -141,6 +146,7 @@ class PullScheduler:
 
     def arrived(self, rank: int, index: int, ok: bool) -> None:
         """Chunk ``index`` came from ``rank``; ``ok``: it verified (else it is asked again)."""
+        self.dirty = True
         now = self.clock()
         link = self.links[rank]
         asked_at = link.outstanding.pop(index)
@@ -159,6 +165,7 @@ class PullScheduler:
 
     def verified(self, index: int) -> None:
         """We hold chunk ``index`` now; its other (endgame) requests are to be cancelled."""
+        self.dirty = True
         self.have[index] = True
         self.urgent[index] = False
         for r in sorted(self.asked.get(index, ())):
@@ -174,6 +181,7 @@ class PullScheduler:
 
     def prioritize(self, indices) -> None:
         """A reader waits for ``indices``: ask for them before anything else."""
+        self.dirty = True
         idx = np.asarray(list(indices), dtype=np.int64)
         self.urgent[idx[~self.have[idx]]] = True
 
@@ -187,7 +195,12 @@ class PullScheduler:
     # ----- decisions ---------------------------------------------------------
 
     def requests(self) -> list[tuple[int, list[int]]]:
-        """What to ask of whom now: ``[(rank, [chunk, ...]), ...]``, each within its link's credits."""
+        """What to ask of whom now: ``[(rank, [chunk, ...]), ...]``, each within its link's credits.
+
+        Nothing is decided again until a verb changed something (``dirty``)."""
+        if not self.dirty:
+            return []
+        self.dirty = False
         out: dict[int, list[int]] = {}
         ready = [lk for lk in self.links.values() if lk.ready and lk.free()]
         for lk in ready:  # 1. waiters first, from whoever holds them
@@ -226,6 +239,7 @@ class PullScheduler:
                     del lk.outstanding[i]
                     self._unask(i, lk.rank)
                 lk.rate /= 2
+                self.dirty = True
                 self.cancels.setdefault(lk.rank, []).extend(sorted(late))
                 out.append((lk.rank, sorted(late)))
         return out

@@ -1,0 +1,129 @@
+"""Member: a peer's side of its tracker link (the loop's thread only).
+
+What a peer tells the tracker and when: heartbeats with what it holds and the
+rate each partner delivers, ORPHAN for a planned source it gave up, DONE, LEAVE
+until the tracker lets it go, a new HELLO when the tracker went quiet (it may
+have restarted), and, when nothing arrives from anyone, a line every
+``WAIT_REPORT`` seconds and the end of the download after ``give_up_after``.
+"""
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from . import protocol
+from .protocol import CLIENT_TRANSITIONS, Connection, Msg
+
+log = logging.getLogger("p2pw")
+
+LEAVE_POLL = 0.2
+RETRY_INTERVAL = 1.0  # ORPHAN / HELLO resend while waiting for the tracker
+WAIT_REPORT = 10.0  # seconds between "waiting for ..." lines when nothing arrives
+
+
+class Membership:
+    """The tracker link of one peer, and the reports it sends on it."""
+
+    def __init__(self, node, socket: zmq.Socket, addr: str, hello: dict, tracker_timeout: float,
+                 give_up_after: float):
+        self.node, self.socket, self.addr = node, socket, addr
+        self.conn = Connection(CLIENT_TRANSITIONS, "member")
+        self.hello_fields = hello  # what we told the tracker when joining, repeated if it restarts
+        self.tracker_timeout, self.give_up_after = tracker_timeout, give_up_after
+        now = node.clock()
+        self.heard = self.progress_at = self.reported_wait = now
+        self.hello_sent = self.leave_next = 0.0
+        self.done_reported = False
+        self.lost: dict[int, tuple[str, bool]] = {}  # planned rank given up -> (why, dead), until re-planned
+        self.lost_reported: dict[int, float] = {}  # planned rank -> when we last sent ORPHAN for it
+
+    def post(self, frame: bytes) -> bool:
+        return self.node._post(self.socket, frame)
+
+    def heartbeat(self) -> None:
+        """What we hold and what each partner delivers (bytes/s): the tracker's view of the fleet."""
+        rates = {str(r): round(lk.rate) for r, lk in self.node.pull.links.items() if lk.rate > 0}
+        self.post(protocol.control(Msg.HEARTBEAT, have=self.node.store.count, links=rates))
+
+    def heard_from(self, now: float) -> None:
+        self.heard = now
+
+    def welcomed_again(self, rank: int) -> None:
+        """A restarted tracker took us back (as ``rank``)."""
+        if self.hello_sent:
+            log.warning("tracker %s is back: we are rank %d", self.addr, rank)
+        self.hello_sent = 0.0
+        self.done_reported = False  # tell the (new) tracker again
+
+    def tick(self, now: float) -> None:
+        """Reports due now; nothing from anyone for too long ends the download."""
+        node = self.node
+        self._watch_progress(now)
+        if now - self.heard > self.tracker_timeout and now - self.hello_sent > RETRY_INTERVAL:
+            self.reintroduce(now)
+        for rank, (why, dead) in self.lost.items():
+            self._orphan(rank, why, dead, now)
+        if node.store.complete and all(ok() for ok in node.extra_done):
+            if not self.done_reported:
+                self.done_reported = True
+                self.post(protocol.control(Msg.DONE, rank=node.rank))
+                for rank in list(node.partners.links):  # nothing more to pull: only serve from now on
+                    node.partners.close(rank)
+            if node.leave_when_done and now >= self.leave_next:
+                self.leave_next = now + LEAVE_POLL
+                self.post(protocol.control(Msg.LEAVE, rank=node.rank))
+
+    def progressed(self, now: float) -> None:
+        self.progress_at = now
+
+    def _watch_progress(self, now: float) -> None:
+        """Nothing verified for a while: say what we wait for every WAIT_REPORT s, give up at the end."""
+        node = self.node
+        idle = now - self.progress_at
+        if node.store.complete or idle < min(WAIT_REPORT, self.give_up_after):
+            return
+        if idle > self.give_up_after:
+            node._fail(f"no chunk arrived for {self.give_up_after:.0f} s: {node.pull.missing()} of "
+                       f"{node.manifest.n_chunks} chunks missing and no partner serves them "
+                       f"(verified chunks are kept: join again to resume)")
+        elif now - self.reported_wait >= WAIT_REPORT and idle >= WAIT_REPORT:
+            self.reported_wait = now
+            orphaned = node.pull.waiting_for()
+            log.warning("waiting %.0f s for chunks: %d missing, %d of them held by no live partner "
+                        "(first %s); partners %s; giving up after %.0f s", idle, node.pull.missing(),
+                        len(orphaned), orphaned[:8], sorted(node.partners.links) or "none", self.give_up_after)
+
+    def lose(self, rank: int, why: str, dead: bool) -> None:
+        """Planned source ``rank`` was given up: ask the tracker for another until it names one."""
+        self.lost[rank] = (why, dead)
+
+    def replanned(self, planned: list) -> None:
+        self.lost = {r: v for r, v in self.lost.items() if r in planned}
+
+    def _orphan(self, rank: int, why: str, dead: bool, now: float) -> None:
+        if now - self.lost_reported.get(rank, 0.0) <= RETRY_INTERVAL or now - self.heard > self.tracker_timeout:
+            return
+        self.lost_reported[rank] = now
+        for p in self.node.partners.plan:
+            if p["rank"] == rank:
+                self.post(protocol.control(Msg.ORPHAN, rank=self.node.rank, stripe=p["stripe"], parent=rank,
+                                           reason=why, dead=dead))
+
+    def reintroduce(self, now: float) -> None:
+        """The tracker went quiet (restarted?): HELLO again with our rank and what we hold."""
+        if self.hello_sent == 0.0 or now - self.hello_sent > 5 * RETRY_INTERVAL:
+            log.warning("tracker %s silent for %.0f s: introducing ourselves again", self.addr, now - self.heard)
+        self.hello_sent = now
+        self.post(protocol.control(Msg.HELLO, **self.hello_fields, rank=self.node.rank,
+                                   have=self.node.store.count))
+
+    def close(self) -> None:
+        """Tell the tracker we are gone (unless it let us leave), so no joiner is sent to us."""
+        if not self.node.left.is_set():
+            try:
+                self.post(protocol.control(Msg.BYE, rank=self.node.rank))
+                self.socket.setsockopt(zmq.LINGER, 500)
+            except zmq.ZMQError:
+                pass
+        self.socket.close(0)

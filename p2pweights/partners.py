@@ -1,0 +1,146 @@
+"""Partners: the links a peer pulls over, one DEALER per partner (the loop's thread only).
+
+The tracker's plan names a planned source per stripe and a few more partners;
+``set_plan`` opens a link to each one not yet linked and closes the links to
+those no longer named (their requests are asked elsewhere).  ``watch`` gives
+up a partner gone silent, or a planned source that answers but sends nothing;
+a planned source given up is reported to the tracker, which names another.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from . import keys, protocol
+from .protocol import CLIENT_TRANSITIONS, Connection, Msg
+from .serve import MAX_PARKED
+
+log = logging.getLogger("p2pw")
+
+
+def tcp(addr: str) -> str:
+    return addr if "://" in addr else f"tcp://{addr}"
+
+
+@dataclass
+class PartnerLink:
+    """This peer's DEALER to one partner it pulls from."""
+
+    rank: int
+    addr: str
+    socket: zmq.Socket
+    conn: Connection
+    last_heard: float
+    last_chunk: float
+    orphan_sent: float = 0.0
+
+
+class Partners:
+    """The links of one peer to the partners it pulls from, and its plan."""
+
+    def __init__(self, node):
+        self.node = node
+        self.links: dict[int, PartnerLink] = {}
+        self.plan: list[dict] = []  # {stripe, rank, addr} per stripe, as the tracker said
+
+    def watch(self, now: float) -> None:
+        for link in list(self.links.values()):
+            self._watch(link, now)
+
+    def close_all(self) -> None:
+        for link in self.links.values():
+            link.socket.close(0)
+
+    def set_plan(self, parents: list[dict], partners: list[dict], stripes: int | None = None) -> None:
+        """The tracker's plan for us: a planned source per stripe, and partners to pull from too.
+
+        Links to partners no longer named are closed (their requests asked
+        elsewhere); new ones are opened.  Entries are checked: a bad one is
+        ignored, never trusted."""
+        n = self.node
+        if stripes is not None and stripes != n.pull.stripes:
+            n.pull.stripes = stripes
+            n.pull.stripe_of = np.arange(n.manifest.n_chunks) % stripes
+        plan, want = [None] * n.pull.stripes, {}
+        for p in parents:
+            if not self._entry_ok(p, stripe=True):
+                continue
+            plan[p["stripe"]] = p["rank"]
+            want[p["rank"]] = p["addr"] or n.tracker_addr
+        for p in partners:
+            if self._entry_ok(p) and p["rank"] != n.rank:
+                want.setdefault(p["rank"], p["addr"] or n.tracker_addr)
+        if [x for x in plan if x is not None] != [x for x in n.pull.plan if x is not None]:
+            n.stats.reparented += 1 if self.plan else 0
+        self.plan = [{"stripe": s, "rank": r, "addr": want.get(r, "")} for s, r in enumerate(plan) if r is not None]
+        n.pull.set_plan(plan)
+        if n.member is not None:
+            n.member.replanned(plan)
+        for rank in [r for r in self.links if r not in want or self.links[r].addr != want[r]]:
+            self.close(rank)
+        for rank, addr in want.items():
+            if rank not in self.links and not n.store.complete:
+                self.open(rank, addr)
+
+    def _entry_ok(self, p, stripe: bool = False) -> bool:
+        n = self.node
+        ok = isinstance(p, dict) and isinstance(p.get("rank"), int) and isinstance(p.get("addr", ""), str) \
+            and (not stripe or (isinstance(p.get("stripe"), int) and 0 <= p["stripe"] < n.pull.stripes))
+        if not ok:
+            n.stats.malformed += 1
+            log.warning("tracker sent a bad plan entry %r: ignored", p)
+        return ok
+
+    def open(self, rank: int, addr: str) -> None:
+        """Connect to partner ``rank`` at ``addr`` and ATTACH; nothing is asked of it before ATTACHED."""
+        n = self.node
+        sock = n.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max(n.manifest.chunk_size, protocol.MAX_CONTROL_BODY) + 4096)
+        sock.setsockopt(zmq.RCVHWM, 4 * MAX_PARKED)
+        keys.secure_client(sock, n.key)
+        sock.connect(tcp(addr))
+        now = n.clock()
+        self.links[rank] = PartnerLink(rank, addr, sock, Connection(CLIENT_TRANSITIONS, "attaching"), now, now)
+        n.pull.add(rank)
+        n.poller.register(sock, zmq.POLLIN)
+        n._post(sock, protocol.control(Msg.ATTACH, peer_id=n.peer_id, rank=n.rank, model_id=n.model_id))
+
+    def close(self, rank: int) -> None:
+        """Close the link to ``rank``; its outstanding requests are free to ask elsewhere."""
+        n = self.node
+        link = self.links.pop(rank, None)
+        if link is not None:
+            n.poller.unregister(link.socket)
+            link.socket.close(0)
+        n.pull.drop(rank)
+
+    def parents(self) -> list[dict]:
+        """Our planned source in each stripe now (the tracker may have moved us since we joined)."""
+        return list(self.plan)
+
+    def _watch(self, link: PartnerLink, now: float) -> None:
+        """Give up a silent partner, or a planned source that answers but sends nothing."""
+        n = self.node
+        if now - link.last_heard > n.parent_timeout:
+            self.give_up(link.rank, f"silent for {now - link.last_heard:.1f} s", dead=True)
+            return
+        planned = any(p["rank"] == link.rank for p in self.plan)
+        lk = n.pull.links.get(link.rank)
+        if planned and link.rank != 0 and lk is not None and lk.outstanding \
+                and now - link.last_chunk > 3 * n.parent_timeout and n.member is not None:
+            self.give_up(link.rank, f"stalled: no chunk for {now - link.last_chunk:.1f} s though it is alive")
+
+    def give_up(self, rank: int, reason: str, dead: bool = False) -> None:
+        """Stop pulling from partner ``rank``; if it was a planned source, ask the tracker for another."""
+        n = self.node
+        log.warning("giving up partner rank %d: %s", rank, reason)
+        self.close(rank)
+        if any(p["rank"] == rank for p in self.plan):
+            if n.member is None:
+                n._fail(f"parent rank {rank} {reason}")
+            else:
+                n.member.lose(rank, reason, dead)
