@@ -70,7 +70,12 @@ class Membership:
                 self.post(protocol.control(Msg.DONE, rank=node.rank))
                 for rank in list(node.partners.links):  # nothing more to pull: only serve from now on
                     node.partners.close(rank)
-            if node.leave_when_done and now >= self.leave_next:
+            if node.leave_when_done and now - self.heard > self.tracker_timeout:
+                log.warning("tracker %s silent for %.0f s: leaving without its word (nobody can tell us who "
+                            "still depends on this copy)", self.addr, now - self.heard)
+                node.left.set()
+                node.stop_event.set()
+            elif node.leave_when_done and now >= self.leave_next:
                 self.leave_next = now + LEAVE_POLL
                 self.post(protocol.control(Msg.LEAVE, rank=node.rank))
 

@@ -279,9 +279,11 @@ class PullScheduler:
             src = self.links.get(rank) if rank is not None else None
             in_stripe = self.stripe_of == s
             missing = ~self.have & in_stripe
-            if src is None or not src.ready:
+            if src is None:  # gone (given up, or never named): every holder shares the stripe
                 lagging = True
                 orphaned |= missing
+            elif not src.ready:  # still attaching: wait for it (a silent one is given up, then orphaned)
+                lagging = False
             else:
                 others = (peers_hold - (src.holds if rank != SEEDER else 0)) > 0
                 lacks = int((missing & others & ~src.holds).sum())

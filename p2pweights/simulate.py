@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import topology as _topo
+from .tracker import SLOW_FRACTION
 
 DEFAULT_BUDGET = 200_000  # simulated chunk deliveries before coarsening
 
@@ -97,16 +98,25 @@ def resolve_topology(topology, nodes: int = 16, chunks: int = 64):
     return topology
 
 
-def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="binomial",
+def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="forest:2",
              latency: float = 0.0, window: int = 8, efficiency: float = 0.956,
-             budget: int = DEFAULT_BUDGET) -> Result:
+             budget: int = DEFAULT_BUDGET, uplinks=None, failures=()) -> Result:
     """Predict the broadcast of ``size`` bytes to ``nodes`` peers.
 
-    ``uplink`` is every host's configured uplink in bytes/s, ``chunk`` the
-    chunk size in bytes, ``topology`` a name (``binomial``, ``chain``,
-    ``star``, ``kary:K``, ``striped:K``, ``auto``) or a topology object,
-    ``latency`` the one-way delay of a hop in seconds, ``window`` the credit
-    window in chunks.
+    ``uplink`` is the seeder's configured uplink in bytes/s (and every peer's
+    unless ``uplinks`` gives peer r's as ``uplinks[r - 1]``), ``chunk`` the
+    chunk size in bytes, ``topology`` a name (``forest:K``, ``binomial``,
+    ``chain``, ``star``, ``kary:K``, ``striped:K``, ``auto``) or a topology
+    object, ``latency`` the one-way delay of a hop in seconds, ``window`` the
+    credit window in chunks.
+
+    ``forest:K`` is the swarm's plan as the tracker settles it: a host whose
+    uplink is below ``SLOW_FRACTION`` of the fleet's median is a leaf (the
+    tracker demotes it from its partners' reports), the others forward.
+    ``failures``: ``(rank, fraction)`` pairs, a peer killed once that fraction
+    of the model has gone out; the tracker re-places its dependents and the
+    rest of the model flows over the new plan (its in-flight requests are
+    re-asked at once: a dropped connection).
     """
     nodes, size, chunk, window = int(nodes), int(size), int(chunk), int(window)
     if nodes < 1 or size < 1 or chunk < 1 or window < 1:
@@ -116,8 +126,16 @@ def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="binomia
     t0 = _time.process_time()
     n_chunks = math.ceil(size / chunk)
     topo = resolve_topology(topology, nodes, n_chunks)
-    table = _topo.parent_table(topo, nodes, settled=True)  # the tracker's adoptions happen as peers join
-    rate = uplink * efficiency
+    ups = np.full(nodes + 1, float(uplink))
+    if uplinks is not None:
+        ups[1:] = np.broadcast_to(np.asarray(uplinks, dtype=float), (nodes,))
+    if (ups <= 0).any():
+        raise ValueError("every uplink must be > 0")
+    rate = ups * efficiency
+    dead = sorted(failures, key=lambda f: f[1])
+    if dead:
+        return _with_failures(nodes, size, uplink, chunk, topo, rate, latency, window, budget, dead, t0)
+    table = plan_table(topo, nodes, ups)
 
     g = 1
     if nodes * n_chunks > budget:
@@ -132,7 +150,7 @@ def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="binomia
         t1, tx1 = _run(table, topo.stripes, nodes, size, chunk * g, rate, latency, max(1, round(window / g)))
         t2, tx2 = _run(table, topo.stripes, nodes, size, chunk * 2 * g, rate, latency,
                        max(1, round(window / (2 * g))))
-        times = np.maximum(t1 - (t2 - t1) * (g - 1) / g, size / rate)
+        times = np.maximum(t1 - (t2 - t1) * (g - 1) / g, size / rate.max())
         seeder_tx = tx1
     floor = size / uplink
     t_last = float(times.max())
@@ -141,6 +159,39 @@ def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="binomia
                   floor=floor, ratio=t_last / floor, topology=topo.name, nodes=nodes, size=size,
                   chunk=chunk, stripes=topo.stripes, depth=depth, coarsened=g,
                   cpu_s=_time.process_time() - t0)
+
+
+def plan_table(topo, nodes: int, uplinks) -> list[list[int]]:
+    """``table[s][r]``: peer r's source in stripe s, as the tracker settles the plan."""
+    if isinstance(topo, _topo.Forest):
+        median = float(np.median(uplinks[1:])) if nodes else 1.0
+        slots = [1] + [0 if u < SLOW_FRACTION * median else topo.k for u in uplinks[1:]]
+        return _topo.Forest.settled(topo.k, nodes, slots)
+    return _topo.parent_table(topo, nodes, settled=True)  # the tracker's adoptions happen as peers join
+
+
+def _with_failures(nodes, size, uplink, chunk, topo, rate, latency, window, budget, dead, t0) -> Result:
+    """Each failure splits the broadcast: up to it on one plan, the rest on the re-placed plan."""
+    alive = list(range(1, nodes + 1))
+    times = np.zeros(nodes)
+    t_start, sent, tx = 0.0, 0.0, 0.0
+    for rank, fraction in [*dead, (None, 1.0)]:
+        part = max(1, int(size * (fraction - sent)))
+        res = simulate(len(alive), part, uplink, chunk, topo.name, latency, window, 1.0, budget,
+                       uplinks=rate[alive] if alive else None)
+        for i, r in enumerate(alive):
+            times[r - 1] = t_start + res.time_per_peer[i]
+        t_start += res.time_last if rank is None else res.time_last * 1.0
+        tx += res.seeder_tx_bytes
+        sent = fraction
+        if rank is not None and rank in alive:
+            alive.remove(rank)
+            times[rank - 1] = np.nan
+    survivors = times[~np.isnan(times)]
+    t_last = float(survivors.max()) if survivors.size else 0.0
+    return Result(time_last=t_last, time_per_peer=times, seeder_tx_bytes=tx, floor=size / uplink,
+                  ratio=t_last / (size / uplink), topology=topo.name, nodes=nodes, size=size, chunk=chunk,
+                  stripes=topo.stripes, cpu_s=_time.process_time() - t0, extra={"failures": dead})
 
 
 def _depths(parent_col):
@@ -188,15 +239,17 @@ def _run(table, stripes, nodes, size, chunk, rate, latency, window):
         seq[0] += 1
         heapq.heappush(events, (t, seq[0], kind, a, b))
 
+    rates = np.broadcast_to(np.asarray(rate, dtype=float), (nodes + 1,)).tolist()
+
     def advance(h, t):
         if active[h]:
-            V[h] += (t - vt[h]) * rate / active[h]
+            V[h] += (t - vt[h]) * rates[h] / active[h]
         vt[h] = t
 
     def reschedule(h, t):
         ver[h] += 1
         if ps[h]:
-            push(t + (ps[h][0][0] - V[h]) * active[h] / rate, 0, h, ver[h])
+            push(t + (ps[h][0][0] - V[h]) * active[h] / rates[h], 0, h, ver[h])
 
     def enqueue(ci, i, t):
         q = queue[ci]
@@ -345,6 +398,35 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def slow_uplinks(nodes: int, uplink: float, fraction: float, share: float) -> np.ndarray:
+    """Peer uplinks with ``fraction`` of the peers, spread evenly over the ranks, at ``share`` of ``uplink``."""
+    ups = np.full(nodes, float(uplink))
+    k = int(round(fraction * nodes))
+    if k:
+        ups[np.linspace(0, nodes - 1, k).round().astype(int)] = uplink * share
+    return ups
+
+
+def _uplinks(args, uplink: float):
+    if args.uplinks:
+        ups = [parse_rate(x) for x in args.uplinks.split(",") if x.strip()]
+        if len(ups) != args.nodes:
+            raise ValueError(f"--uplinks names {len(ups)} rates for {args.nodes} peers")
+        return ups
+    if args.slow:
+        fraction, _, share = args.slow.partition(":")
+        return slow_uplinks(args.nodes, uplink, float(fraction), float(share or 0.25))
+    return None
+
+
+def _kill(text: str) -> tuple[int, float]:
+    rank, _, fraction = text.partition("@")
+    try:
+        return int(rank), float(fraction)
+    except ValueError:
+        raise ValueError(f"--kill {text!r}: expected RANK@FRACTION, e.g. 1@0.33") from None
+
+
 def main(argv=None) -> int:
     """``p2pw simulate``: print the predicted broadcast time; 2 on bad arguments."""
     ap = argparse.ArgumentParser(prog="p2pw simulate", description="Predict broadcast time of a model to N peers.")
@@ -352,17 +434,27 @@ def main(argv=None) -> int:
     ap.add_argument("--size", required=True, help="model size, e.g. 256MiB, 140GB")
     ap.add_argument("--uplink", required=True, help="every host's uplink, e.g. 400Mbit, 50MB/s")
     ap.add_argument("--chunk", default="4MiB", help="chunk size (default 4MiB)")
-    ap.add_argument("--topology", default="binomial",
-                    help="binomial | chain | star | kary:K | striped:K | auto (default binomial)")
+    ap.add_argument("--topology", default="forest:2",
+                    help="forest:K (the swarm's plan, default forest:2) | binomial | chain | star | kary:K | "
+                         "striped:K | auto")
+    ap.add_argument("--slow", default="", metavar="FRACTION:SHARE",
+                    help="heterogeneous uplinks: FRACTION of the peers (spread evenly) at SHARE of --uplink, "
+                         "e.g. 0.1:0.25")
+    ap.add_argument("--uplinks", default="", metavar="LIST",
+                    help="every peer's uplink, comma-separated (rank 1 first), e.g. 400Mbit,100Mbit,...")
+    ap.add_argument("--kill", default="", metavar="RANK@FRACTION",
+                    help="peers killed once FRACTION of the model went out, e.g. 1@0.33 (comma-separated)")
     ap.add_argument("--latency", default="0", help="one-way hop latency, e.g. 1ms (default 0)")
     ap.add_argument("--window", type=int, default=8, help="credit window in chunks (default 8)")
     ap.add_argument("--efficiency", type=float, default=0.956,
                     help="fraction of the uplink TCP gets (default 0.956, the testbed's htb)")
     args = ap.parse_args(argv)
     try:
-        res = simulate(args.nodes, parse_size(args.size), parse_rate(args.uplink), parse_size(args.chunk),
+        up = parse_rate(args.uplink)
+        res = simulate(args.nodes, parse_size(args.size), up, parse_size(args.chunk),
                        args.topology, latency=parse_duration(args.latency), window=args.window,
-                       efficiency=args.efficiency)
+                       efficiency=args.efficiency, uplinks=_uplinks(args, up),
+                       failures=[_kill(k) for k in args.kill.split(",") if k.strip()])
     except ValueError as e:
         print(f"p2pw simulate: error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,8 @@ No sockets here: the tracker applies these rules, the simulator predicts them.
 """
 from __future__ import annotations
 
+from collections import deque
+
 
 class Binomial:
     """Binomial tree: a rank's parent is the rank with its highest set bit cleared."""
@@ -233,6 +235,37 @@ class Forest:
         self.group[rank], self.slots[rank] = None, 0
         moves = [self._move(c, g) for c in sorted(self.kids[g][rank])]
         return _unique(moves + self._settle())
+
+    @classmethod
+    def settled(cls, k: int, n: int, slots=None) -> list[list[int]]:
+        """``table[s][r]``: the forest ranks 1..n settle into (what ``place`` / ``demote`` converge to).
+
+        Built directly, breadth first, in O(n k): in stripe s the forwarders of
+        group s take the shallowest free slots in rank order, then every other
+        peer does; once slots run out, forwarders take one more each in turn.
+        ``slots[r]`` (default k): child slots of rank r; 0 makes it a leaf.
+        ``p2pweights.simulate`` predicts the swarm on this table."""
+        slots = slots if slots is not None else [k] * (n + 1)
+        forwarders = [r for r in range(1, n + 1) if slots[r] > 0]
+        group = {r: i % k for i, r in enumerate(forwarders)}
+        table = [[-1] * (n + 1) for _ in range(k)]
+        for s in range(k):
+            inner = [r for r in forwarders if group[r] == s]
+            free = deque([(0, 1)])
+            extra = deque(inner or [0])
+            for r in inner + [r for r in range(1, n + 1) if group.get(r) != s]:
+                while free and free[0][1] == 0:
+                    free.popleft()
+                if free:
+                    p, left = free.popleft()
+                    free.appendleft((p, left - 1))
+                else:
+                    p = extra[0]
+                    extra.rotate(-1)
+                table[s][r] = p
+                if group.get(r) == s:
+                    free.append((r, slots[r]))
+        return table
 
     def move(self, rank: int, stripe: int, avoid: int) -> tuple[int, int]:
         """``rank`` gives up its parent ``avoid`` in ``stripe`` (bad chunks): the best other parent."""

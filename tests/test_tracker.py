@@ -54,3 +54,77 @@ def test_restarted_tracker_takes_peers_back_at_their_old_ranks():
     clash = t.join("other", "10.0.0.8:7000", rank=5)  # rank taken: a fresh one instead
     assert (a.rank, b.rank, c.rank, clash.rank) == (5, 2, 6, 7)
     assert a.parents == [0]  # 5's rule-parent 1 never came back: nearest live ancestor
+
+
+def forest_tracker(n, k=2):
+    t = Tracker(make(f"forest:{k}"), "")
+    for i in range(1, n + 1):
+        t.join(f"p{i}", f"10.0.0.{i}:7000")
+    return t
+
+
+def test_forest_plan_every_peer_forwards_in_one_stripe_and_the_seeder_sends_each_chunk_once():
+    t = forest_tracker(8)
+    f = t.topology
+    for s in range(2):
+        assert len(f.kids[s][0]) == 1  # one slot per stripe at the seeder
+        for r in range(1, 9):
+            if f.kids[s][r]:
+                assert f.group[r] == s  # a peer forwards only in its own stripe
+            assert f.load(r, s) <= f.capacity(r, s)
+    assert {r: m.parents for r, m in t.members.items()} == {r: f.parents(r) for r in range(1, 9)}
+
+
+def test_forest_partners_are_given_both_ways_and_kept_bounded():
+    t = forest_tracker(12)
+    for r, m in t.members.items():
+        assert r not in m.partners and 0 not in m.partners
+        assert 1 <= len(m.partners) <= 8
+        for p in m.partners:
+            assert r in t.members[p].partners
+
+
+def test_forest_a_dead_forwarder_s_children_are_re_placed_and_told():
+    t = forest_tracker(8)
+    t.take_moved()
+    orphans = [r for r in range(2, 9) if 1 in t.members[r].parents]
+    moved = t.gone(1)
+    assert {r for r, _ in moved} >= set(orphans)
+    told = t.take_moved()
+    for r in orphans:
+        assert 1 not in t.members[r].parents and r in told
+    assert all(1 not in m.partners for m in t.members.values())
+
+
+def test_forest_slow_host_is_demoted_to_a_leaf_from_its_partners_reports():
+    clock = [0.0]
+    t = Tracker(make("forest:2"), "", clock=lambda: clock[0])
+    for i in range(1, 9):
+        t.join(f"p{i}", f"10.0.0.{i}:7000")
+    f = t.topology
+    slow = next(r for r in range(1, 9) if f.kids[f.group[r]][r])  # a forwarder with children
+    for r, m in t.members.items():  # everyone reports what each partner and parent delivers
+        m.rates = {p: (10e6 if p == slow else 40e6) for p in set(m.parents) | set(m.partners) if p}
+    assert t.slow_hosts() == []  # evidence must repeat before anyone is moved
+    assert t.slow_hosts() == [slow]
+    assert f.group[slow] is None and not any(f.kids[s][slow] for s in range(2))
+    assert all(slow not in m.parents for r, m in t.members.items() if r != slow)
+    assert t.slow_hosts() == []  # once
+
+
+def test_forest_settled_table_matches_the_incremental_plan_in_shape():
+    from p2pweights.topology import Forest
+
+    for n in (3, 8, 16, 33):
+        table = Forest.settled(2, n)
+        inc = forest_tracker(n).topology
+        for s in range(2):
+            assert sum(1 for r in range(1, n + 1) if table[s][r] == 0) == 1
+            kids = {}
+            for r in range(1, n + 1):
+                kids.setdefault(table[s][r], []).append(r)
+            assert max(len(v) for p, v in kids.items() if p) <= 2
+            depth = [0] * (n + 1)
+            for r in range(1, n + 1):
+                depth[r] = depth[table[s][r]] + 1
+            assert max(depth) <= max(inc.depth[s].values())
