@@ -24,6 +24,7 @@ log = logging.getLogger("p2pw")
 MAX_BAD_MESSAGES = 32  # malformed messages before a connection is ignored
 MAX_BAD_FROM_PARENT = 4  # chunks failing verification before a partner is given up
 DRAIN = 64  # messages taken from one socket per poll
+DRAIN_SECONDS = 0.02  # and at most this long, so timers (heartbeats) keep their pace under load
 READY = struct.Struct("<I?")  # read-ahead -> loop: chunk index, matched the manifest
 
 
@@ -46,10 +47,13 @@ class Handlers:
             if link is None:  # closed earlier in this poll
                 return
             handler = lambda s, link=link: self.on_link(link)  # noqa: E731
+        deadline = n.clock() + DRAIN_SECONDS
         for _ in range(DRAIN):
             if sock.closed or not sock.poll(0, zmq.POLLIN):  # a handler may close it (partner given up)
                 return
             handler(sock)
+            if n.clock() > deadline:
+                return
 
     # ----- inbox: other threads ------------------------------------------
 

@@ -182,17 +182,13 @@ class Node:
     def _flush(self) -> None:
         """Send what the schedulers decided: requests, cancels, HAVE batches, chunks."""
         links = self.partners.links
-        if links and not self.store.complete:
-            for rank, chunks in self.pull.requests():
+        asks = self.pull.requests() if links and not self.store.complete else []
+        for kind, todo in ((Msg.CANCEL, self.pull.take_cancels()), (Msg.REQUEST, asks)):  # withdraw first
+            for rank, chunks in todo:
                 link = links.get(rank)
                 if link is not None:
                     for batch in protocol.batches(chunks):
-                        self._post(link.socket, protocol.request(batch))
-        for rank, chunks in self.pull.take_cancels():
-            link = links.get(rank)
-            if link is not None:
-                for batch in protocol.batches(chunks):
-                    self._post(link.socket, protocol.chunk_list(Msg.CANCEL, batch))
+                        self._post(link.socket, protocol.chunk_list(kind, batch))
         if self.fresh:
             batches = protocol.batches(self.fresh)
             self.fresh = []

@@ -62,6 +62,7 @@ class Link:
     received: int = 0  # bytes that verified
     bad: int = 0  # chunks that failed verification
     helping: set[int] = field(default_factory=set)  # chunks asked of it to help a lagging stripe
+    withdrawn: set[int] = field(default_factory=set)  # chunks cancelled there; a copy already on its way is taken
 
     @property
     def ready(self) -> bool:
@@ -119,6 +120,10 @@ class PullScheduler:
         new = idx[~link.holds[idx]]
         link.holds[new] = True
         np.add.at(self.holders, new, 1)
+        now = self.clock()
+        for i in new.tolist():  # parked there until now: its service starts now (for the rate)
+            if i in link.outstanding:
+                link.outstanding[i] = now
 
     def drop(self, rank: int) -> list[int]:
         """Forget partner ``rank`` (gone or given up); its requests are free to ask elsewhere."""
@@ -141,15 +146,18 @@ class PullScheduler:
     # ----- chunks ------------------------------------------------------------
 
     def expects(self, rank: int, index: int) -> bool:
+        """Whether ``index`` may be taken from ``rank``: asked of it, or withdrawn from it (a stall
+        re-request, an endgame loser) and still missing; a late copy is as good as any."""
         link = self.links.get(rank)
-        return link is not None and index in link.outstanding
+        return link is not None and (index in link.outstanding or (index in link.withdrawn and not self.have[index]))
 
     def arrived(self, rank: int, index: int, ok: bool) -> None:
         """Chunk ``index`` came from ``rank``; ``ok``: it verified (else it is asked again)."""
         self.dirty = True
         now = self.clock()
         link = self.links[rank]
-        asked_at = link.outstanding.pop(index)
+        asked_at = link.outstanding.pop(index, link.last_arrival)
+        link.withdrawn.discard(index)
         link.helping.discard(index)
         self._unask(index, rank)
         busy_since = max(link.last_arrival, asked_at)
@@ -232,6 +240,8 @@ class PullScheduler:
             rate = lk.rate or self._typical_rate()
             bound = STALL_MAX if rate <= 0 else \
                 min(STALL_MAX, max(STALL_MIN, STALL_WINDOWS * lk.window * self.chunk_size / rate))
+            if not lk.outstanding or now - lk.last_arrival <= bound:
+                continue  # it delivers: a long queue at a busy partner is not a stall
             late = [i for i, t in lk.outstanding.items()
                     if now - t > bound and (lk.holds is not None and lk.holds[i])]
             if late:
@@ -240,7 +250,7 @@ class PullScheduler:
                     self._unask(i, lk.rank)
                 lk.rate /= 2
                 self.dirty = True
-                self.cancels.setdefault(lk.rank, []).extend(sorted(late))
+                self._withdraw(lk, sorted(late))
                 out.append((lk.rank, sorted(late)))
         return out
 
@@ -281,7 +291,7 @@ class PullScheduler:
             missing = ~self.have & in_stripe
             if src is None:  # gone (given up, or never named): every holder shares the stripe
                 lagging = True
-                orphaned |= missing
+                orphaned |= missing & ~self.inflight
             elif not src.ready:  # still attaching: wait for it (a silent one is given up, then orphaned)
                 lagging = False
             else:
@@ -313,12 +323,19 @@ class PullScheduler:
         for i in chunks:
             for other in self.asked.get(i, ()):  # a parked request moved to a holder
                 self.links[other].outstanding.pop(i, None)
-                self.cancels.setdefault(other, []).append(i)
+                self._withdraw(self.links[other], [i])
             self.asked[i] = {lk.rank}
             self.inflight[i] = True
             lk.outstanding[i] = now
+            if i in self.cancels.get(lk.rank, ()):  # withdrawn there a moment ago and wanted again
+                self.cancels[lk.rank].remove(i)
         if chunks:
             out.setdefault(lk.rank, []).extend(chunks)
+
+    def _withdraw(self, lk: Link, chunks: list[int]) -> None:
+        """CANCEL ``chunks`` at ``lk``; a copy it already sent is still taken (``expects``)."""
+        self.cancels.setdefault(lk.rank, []).extend(chunks)
+        lk.withdrawn.update(chunks)
 
     def _unask(self, index: int, rank: int) -> None:
         ranks = self.asked.get(index)

@@ -22,8 +22,8 @@ from .topology import live_parent
 ROOT = 0
 PARTNERS = 4  # partners a joiner is given besides its planned parents
 MAX_PARTNERS = 8  # partners one peer is given in all (newcomers also partner with earlier peers)
-SLOW_FRACTION = 0.5  # a host delivering below this share of the fleet's median uplink is demoted
-SLOW_EVIDENCE = 2  # consecutive rate reviews that must find a host slow before it is demoted
+SLOW_FRACTION = 0.4  # a host delivering below this share of the fleet's median uplink is demoted
+SLOW_EVIDENCE = 3  # consecutive rate reviews (one a second) that must find a host slow before it is demoted
 
 
 @dataclass
