@@ -112,6 +112,8 @@ class Handlers:
                 raise ProtocolError(f"ATTACHED bitfield of {len(bits)} bytes for {event.fields['n_chunks']} "
                                     f"chunks; the blob has {size}")
             n.pull.ready(link.rank, np.unpackbits(np.frombuffer(bits, np.uint8), count=size).astype(bool))
+        elif event.type == Msg.BYE:  # it is leaving: its requests are asked elsewhere now, not after a timeout
+            n.partners.give_up(link.rank, "it left", level=logging.INFO)
         elif event.type == Msg.HAVE:
             if max(event.indices) >= n.manifest.n_chunks:
                 raise ProtocolError(f"HAVE names chunk {max(event.indices)}; the blob has {n.manifest.n_chunks}")

@@ -325,6 +325,10 @@ class Node:
             self.stop_event.set()
 
     def _close_sockets(self) -> None:
+        bye = protocol.control(Msg.BYE, rank=self.rank)
+        for ident in list(self.children):  # partners pulling from us ask elsewhere at once
+            self._send(ident, bye)
+        self.router.setsockopt(zmq.LINGER, 200)
         self.partners.close_all()
         if self.reader is not None:
             self.reader.stop()

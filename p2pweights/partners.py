@@ -134,10 +134,10 @@ class Partners:
                 and now - link.last_chunk > 3 * n.parent_timeout and n.member is not None:
             self.give_up(link.rank, f"stalled: no chunk for {now - link.last_chunk:.1f} s though it is alive")
 
-    def give_up(self, rank: int, reason: str, dead: bool = False) -> None:
+    def give_up(self, rank: int, reason: str, dead: bool = False, level: int = logging.WARNING) -> None:
         """Stop pulling from partner ``rank``; if it was a planned source, ask the tracker for another."""
         n = self.node
-        log.warning("giving up partner rank %d: %s", rank, reason)
+        log.log(level, "giving up partner rank %d: %s", rank, reason)
         self.close(rank)
         if any(p["rank"] == rank for p in self.plan):
             if n.member is None:

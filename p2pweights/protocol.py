@@ -61,7 +61,7 @@ class Msg(IntEnum):
     LEAVE_WAIT = 12  # tracker -> peer: {waiting_for}
     HEARTBEAT = 13  # either way: {}; peer -> tracker adds {have, links: {rank: bytes/s}} (what it measures)
     REPARENT = 14   # tracker -> peer: {parents, partners?}: its plan changed
-    BYE = 15        # peer -> tracker: {rank}; it is leaving now, serve nobody from it
+    BYE = 15        # peer -> tracker, and node -> the partners it serves: {rank}; it is leaving now
     ORPHAN = 16     # peer -> tracker: {rank, stripe, parent, reason, dead}; another parent in that stripe
     HAVE = 17       # partner -> peer: u32 indices it verified since the last HAVE
     CANCEL = 18     # peer -> partner: u32 indices no longer wanted (an endgame duplicate arrived)
@@ -206,6 +206,8 @@ CLIENT_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("member", Msg.WELCOME): "member",
     ("attaching", Msg.ATTACHED): "attached",
     ("attaching", Msg.HEARTBEAT): "attaching",
+    ("attaching", Msg.BYE): "closed",
+    ("attached", Msg.BYE): "closed",
     ("attached", Msg.CHUNK): "attached",
     ("attached", Msg.HEARTBEAT): "attached",
     ("attached", Msg.HAVE): "attached",
