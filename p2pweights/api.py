@@ -16,6 +16,7 @@ import uuid
 import zmq
 
 from . import catalog, keys, protocol
+from .errors import P2PError
 from .cache import DiskCache
 from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, ManifestError, build, check_model_id
 from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
@@ -34,8 +35,6 @@ MAX_REDIRECTS = 4
 MAX_STRIPES = 64  # parents a WELCOME may name (one link each)
 
 
-class P2PError(RuntimeError):
-    """A seed or join that cannot go on; the message says why, in one line."""
 
 
 def parse_addr(addr: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:

@@ -22,13 +22,14 @@ import threading
 
 import numpy as np
 
+from .errors import UserError
 from .manifest import chunk_hasher, file_segments
 from .source import BlobSource
 
 PARTIAL = ".partial"
 
 
-class CacheError(OSError):
+class CacheError(UserError, OSError):
     """The local copy could not be written."""
 
 

@@ -252,8 +252,12 @@ def cmd_verify(args) -> int:
 
 def cmd_demo(args) -> int:
     from .demo import run_demo
+    from .errors import P2PError
 
-    return run_demo(peers=args.peers, size_mb=args.size_mb, workdir=args.workdir, chunk_size=args.chunk_size)
+    try:
+        return run_demo(peers=args.peers, size_mb=args.size_mb, workdir=args.workdir, chunk_size=args.chunk_size)
+    except (ValueError, RuntimeError) as e:  # a model size the demo cannot build, a peer that failed
+        raise P2PError(f"demo: {e}") from None
 
 
 def cmd_simulate(args, rest) -> int:
@@ -351,12 +355,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .api import P2PError
-    from .cache import CacheError
-    from .formats import FormatError
-    from .keys import KeyFileError
-    from .manifest import ManifestError
-    from .source import SourceError
+    from .errors import UserError
 
     argv = sys.argv[1:] if argv is None else argv
     ap = parser()
@@ -367,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s p2pw %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         return args.func(args, rest) if args.command == "simulate" else args.func(args)
-    except (P2PError, FormatError, KeyFileError, ManifestError, SourceError, CacheError, ValueError, OSError) as e:
+    except (UserError, OSError) as e:  # OSError: a path, a port, a disk the user named
         msg = str(e) if not isinstance(e, OSError) or not e.strerror else f"{e.strerror}: {e.filename or ''}"
         print(f"p2pw: error: {msg}", file=sys.stderr)
         return 1

@@ -22,6 +22,8 @@ import random
 import time
 from dataclasses import dataclass
 
+from .errors import UserError
+
 log = logging.getLogger("p2pw")
 
 
@@ -73,7 +75,7 @@ def parse(spec: str) -> Faults:
             else:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"bad P2PW_FAULTS item {item!r}") from None
+            raise UserError(f"bad P2PW_FAULTS item {item!r}") from None
     f.rng = random.Random(f.seed)
     return f
 

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import struct
+from .errors import UserError
 
 ALIGN = 4096
 MAX_HEADER = 100 << 20
@@ -32,7 +33,7 @@ DTYPE_SIZES = {
 SUBBYTE_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 
-class FormatError(ValueError):
+class FormatError(UserError, ValueError):
     """A checkpoint that cannot be read: message names the file and what is wrong."""
 
 

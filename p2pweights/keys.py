@@ -28,12 +28,13 @@ from dataclasses import dataclass
 import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
+from .errors import UserError
 
 KEY_NAME = "fleet"
 ZAP_DOMAIN = "p2pw"
 
 
-class KeyFileError(ValueError):
+class KeyFileError(UserError, ValueError):
     """A key directory that cannot be made or used; the message says why."""
 
 

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 import xxhash
+from .errors import UserError
 
 VERSION = 1
 DEFAULT_CHUNK_SIZE = 4 << 20  # measured: see README "Choosing the chunk size"
@@ -24,7 +25,7 @@ MAX_MANIFEST_BYTES = 256 << 20  # largest manifest a joiner accepts (about 1M ch
 MIN_MODEL_ID = 16  # hex digits of a pinned model id (64 bits); fewer pins next to nothing
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError, ValueError):
     """A manifest that cannot be trusted or used: the message says why."""
 
 

@@ -15,10 +15,11 @@ import threading
 
 import numpy as np
 
+from .errors import UserError
 from .manifest import chunk_hasher, file_segments
 
 
-class SourceError(OSError):
+class SourceError(UserError, OSError):
     """The checkpoint's files no longer match their file table (truncated, removed, unreadable)."""
 
 

@@ -35,6 +35,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from .errors import UserError
+
+
+class PlanError(UserError, ValueError):
+    """A plan (topology) name or parameter that does not exist."""
+
 
 class Binomial:
     """Binomial tree: a rank's parent is the rank with its highest set bit cleared."""
@@ -380,25 +386,25 @@ def make(name: str, **opts):
     ``n_expected`` (default 16).
     """
     if not isinstance(name, str):
-        raise ValueError(f"topology name must be a string, not {name!r}")
+        raise PlanError(f"topology name must be a string, not {name!r}")
     base, _, arg = name.strip().lower().partition(":")
     if base == "auto":
         return auto(int(arg) if arg else opts.pop("n_expected", 16), **opts)
     cls = TOPOLOGIES.get(base)
     if cls is None:
-        raise ValueError(f"unknown topology {name!r}; known: "
+        raise PlanError(f"unknown topology {name!r}; known: "
                          f"{', '.join(sorted(TOPOLOGIES))}, kary:K, striped:K, forest:K, auto")
     if arg:
         if cls not in (KAry, Striped, Forest):
-            raise ValueError(f"topology {base!r} takes no parameter (got {name!r})")
+            raise PlanError(f"topology {base!r} takes no parameter (got {name!r})")
         try:
             opts["k"] = int(arg)
         except ValueError:
-            raise ValueError(f"topology {name!r}: {arg!r} is not an integer") from None
+            raise PlanError(f"topology {name!r}: {arg!r} is not an integer") from None
     try:
         return cls(**opts)
     except TypeError as e:
-        raise ValueError(f"topology {name!r}: bad options {opts!r} ({e})") from None
+        raise PlanError(f"topology {name!r}: bad options {opts!r} ({e})") from None
 
 
 def auto(n_expected: int, chunks: int = 64):
@@ -468,5 +474,5 @@ def _check_rank(rank: int) -> None:
 def _check_k(k, what: str) -> int:
     k = int(k)
     if k < 1:
-        raise ValueError(f"{what}: k must be >= 1, got {k}")
+        raise PlanError(f"{what}: k must be >= 1, got {k}")
     return k

@@ -17,6 +17,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from .errors import UserError
 from .topology import live_parent
 
 ROOT = 0
@@ -46,7 +47,7 @@ class Member:
     demoted: bool = False
 
 
-class TrackerError(ValueError):
+class TrackerError(UserError, ValueError):
     """A membership request the tracker refuses."""
 
 
