@@ -135,6 +135,8 @@ def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="forest:
     dead = sorted(failures, key=lambda f: f[1])
     if dead:
         return _with_failures(nodes, size, uplink, chunk, topo, rate, latency, window, budget, dead, t0)
+    if isinstance(topo, _topo.Forest) and nodes > 1 and np.ptp(ups[1:]) > 0:
+        return _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, budget, t0)
     table = plan_table(topo, nodes, ups)
 
     g = 1
@@ -168,6 +170,28 @@ def plan_table(topo, nodes: int, uplinks) -> list[list[int]]:
         slots = [1] + [0 if u < SLOW_FRACTION * median else topo.k for u in uplinks[1:]]
         return _topo.Forest.settled(topo.k, nodes, slots)
     return _topo.parent_table(topo, nodes, settled=True)  # the tracker's adoptions happen as peers join
+
+
+def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, budget, t0) -> Result:
+    """Heterogeneous uplinks under the swarm: the plan sets the pipeline fill, partners balance the bulk.
+
+    The fill is what the forest of this fleet costs over S / B with equal
+    uplinks (the discrete-event model above).  The bulk is fluid: peers that
+    lag behind an overloaded or slow source take chunks from partners with
+    spare uplink (the pull scheduler's help), so the N copies flow over every
+    uplink at once: max(S / r_seeder, (N - 1) S / sum of the peers' uplinks),
+    the seeder sending each chunk once.  (The tracker's demotion keeps slow
+    hosts out of the pipeline, so they do not add fill.)"""
+    median = float(np.median(rate[1:]))
+    even = simulate(nodes, size, median / efficiency, chunk, topo.name, latency, window, efficiency, budget)
+    fill = even.time_per_peer - size / median
+    bulk = max(size / rate[0], (nodes - 1) * size / float(rate[1:].sum()))
+    times = fill + bulk
+    t_last = float(times.max())
+    return Result(time_last=t_last, time_per_peer=times, seeder_tx_bytes=float(size), floor=size / uplink,
+                  ratio=t_last / (size / uplink), topology=topo.name, nodes=nodes, size=size, chunk=chunk,
+                  stripes=topo.stripes, depth=even.depth, coarsened=even.coarsened,
+                  cpu_s=_time.process_time() - t0, extra={"fill": float(fill.max()), "bulk": bulk})
 
 
 def _with_failures(nodes, size, uplink, chunk, topo, rate, latency, window, budget, dead, t0) -> Result:
