@@ -35,6 +35,7 @@ log = logging.getLogger("p2pw")
 SCHEME = "s3://"
 DEFAULT_CONCURRENCY = 16  # GETs in flight
 DEFAULT_RANGE_SIZE = 8 << 20  # bytes per ranged GET
+READ_STEP = 256 << 10  # bytes per read from a GET's body: at most this much of a dropped GET is fetched again
 THROTTLED = {"SlowDown", "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestTimeout",
              "InternalError", "RequestLimitExceeded"}
 DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
@@ -113,6 +114,9 @@ class S3:
         except ImportError:
             raise ObjectStoreError("s3:// sources need boto3: pip install 'p2pweights[s3]'") from None
         self.errors = botocore.exceptions
+        for name in ("boto3", "botocore", "urllib3"):  # their INFO lines ("Found credentials...") are noise here
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
         config = botocore.config.Config(max_pool_connections=concurrency + 2, connect_timeout=10, read_timeout=60,
                                         retries={"total_max_attempts": 1})  # retries are ours: they resume
         try:
@@ -220,7 +224,7 @@ class S3:
                         raise ObjectStoreError(f"{what}: asked for {want - done} bytes at {offset + done}, the "
                                                f"server sends {r.get('ContentLength')} (does it ignore Range?)")
                     while done < want:
-                        n = body.readinto(view[done:])
+                        n = body.readinto(view[done: done + READ_STEP])
                         if not n:
                             raise self.errors.IncompleteReadError(actual_bytes=done, expected_bytes=want)
                         done, got, failures = done + n, got + n, 0
