@@ -150,6 +150,8 @@ class Seeder:
 
     def close(self) -> None:
         self.node.stop()
+        if self.s3 is not None and self.source is not None:
+            self.source.close()  # its GET threads
         if self.gate is not None:
             self.gate.stop()
         self.ctx.term()

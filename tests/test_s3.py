@@ -327,6 +327,19 @@ def test_missing_bucket_or_object_gives_one_error_line(moto, bucket):
     assert "expected s3://BUCKET/PREFIX" in line
 
 
+def test_no_credentials_or_no_boto3_gives_one_error_line(moto, bucket):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ENDPOINT_URL=moto.url, AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+               AWS_EC2_METADATA_DISABLED="true")
+    r = subprocess.run(p2pw_argv("manifest", f"s3://{bucket}/model"), capture_output=True, text=True, timeout=60,
+                       cwd=ROOT, env=env)
+    assert "no AWS credentials found" in one_error_line(r)
+    code = "import sys; sys.modules['boto3'] = None; from p2pweights.cli import main; sys.exit(main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", code, "manifest", f"s3://{bucket}/model"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT, env=dict(os.environ, **s3_env(moto.url)))
+    assert "pip install 'p2pweights[s3]'" in one_error_line(r)
+
+
 def test_access_denied_gives_one_error_line(model_dir):
     server = MotoServer(INITIAL_NO_AUTH_ACTION_COUNT="4")  # then every request is authenticated and authorized
     try:
