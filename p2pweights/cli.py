@@ -121,7 +121,7 @@ def cmd_seed(args) -> int:
               "peers": {r: {"parents": mem.parents, "done": mem.done, "peer_id": mem.peer_id}
                         for r, mem in s.tracker.members.items()}}
     if s.s3 is not None:
-        report["s3_retries"] = s.s3.s3.retries
+        report["s3_retries"] = s.s3.retries
     write_json(args.report, report)
     print(f"p2pw: seeder done: read {human(s.bytes_read)} from storage for a {human(m.total_size)} model "
           f"({s.bytes_read / max(m.total_size, 1):.2f}x), sent {human(s.stats.bytes_sent)} to "

@@ -387,6 +387,11 @@ class S3Checkpoint:
         files, self.total = formats.blob_files([(name, size) for name, _, size, _ in objects])
         self.files = [dict(f, etag=etags[f["name"]]) for f in files]
 
+    @property
+    def retries(self) -> int:
+        """Requests tried again so far (throttled, dropped, server errors)."""
+        return self.s3.retries
+
     def where(self, name: str) -> str:
         return f"{SCHEME}{self.url.bucket}/{self.keys.get(name, name)}"
 
