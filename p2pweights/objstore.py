@@ -297,7 +297,7 @@ class S3Source:
                 if str(e) not in self.changed:
                     self.changed.add(str(e))
                     log.error("%s: not serving its chunks (make the manifest again and restart the seeder)", e)
-            except OSError as e:
+            except Exception as e:  # a serving seeder reports a chunk it cannot read and goes on
                 ok = False
                 log.error("chunk %d: %s", jobs[job], e)
             yield jobs[job], ok
