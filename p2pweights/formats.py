@@ -181,6 +181,12 @@ def _walk(root: str, prefix: str, out: list) -> None:
             out.append((rel, os.path.abspath(entry.path), entry.stat().st_size))
 
 
+def listed(name: str) -> bool:
+    """Whether a file at relative ``name`` ('/'-separated) belongs to a checkpoint: the rule ``_walk``
+    applies (no part hidden by a leading '.'), for sources listed by name (object stores)."""
+    return all(part and not part.startswith(".") for part in name.split("/"))
+
+
 def checkpoint_files(path) -> list[tuple[str, str, int]]:
     """``(name, absolute path, size)`` of every file of a checkpoint, sorted by name.
 
@@ -225,9 +231,10 @@ def layout(path) -> tuple[list[dict], list[dict], int]:
 
 
 def blob_files(entries) -> tuple[list[dict], int]:
-    """The file table for ``(name, size)`` pairs in name order, each file on an ``ALIGN`` boundary, and the blob size."""
+    """The file table of a checkpoint's ``(name, size)`` pairs and the blob size: the one layout rule
+    (name order, each file on an ``ALIGN`` boundary), whatever the files came from (disk, object store)."""
     files, end = [], 0
-    for name, size in entries:
+    for name, size in sorted(entries):
         offset = align_up(end)
         files.append({"name": name, "offset": offset, "size": size})
         end = offset + size

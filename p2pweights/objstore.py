@@ -199,7 +199,7 @@ class S3:
             page = self.call(where, lambda: c.list_objects_v2(**kw))
             for o in page.get("Contents", []):
                 name = o["Key"][len(prefix):]
-                if all(part and not part.startswith(".") for part in name.split("/")):
+                if formats.listed(name):
                     found.append((name, o["Key"], o["Size"], o["ETag"].strip('"')))
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
