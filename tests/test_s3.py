@@ -327,6 +327,18 @@ def test_missing_bucket_or_object_gives_one_error_line(moto, bucket):
     assert "expected s3://BUCKET/PREFIX" in line
 
 
+def test_credentials_and_endpoint_from_a_profile(tmp_path, moto, bucket, model_dir):
+    (tmp_path / "config").write_text(f"[profile ckpt]\nregion = us-east-1\nendpoint_url = {moto.url}\n")
+    (tmp_path / "credentials").write_text("[ckpt]\naws_access_key_id = test\naws_secret_access_key = test\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_PROFILE="ckpt", AWS_CONFIG_FILE=str(tmp_path / "config"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"), AWS_EC2_METADATA_DISABLED="true")
+    r = subprocess.run(p2pw_argv("manifest", f"s3://{bucket}/model", "--chunk-size", "1MiB"), capture_output=True,
+                       text=True, timeout=60, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr
+    assert Manifest.from_json(r.stdout).chunks == build(model_dir, 1 << 20)[0].chunks
+
+
 def test_no_credentials_or_no_boto3_gives_one_error_line(moto, bucket):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_ENDPOINT_URL=moto.url, AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
