@@ -65,20 +65,30 @@ class Seeder:
     def __init__(self, path, *, port: int = DEFAULT_PORT, host: str = "0.0.0.0",
                  chunk_size: int = DEFAULT_CHUNK_SIZE, topology: str = DEFAULT_PLAN, hash: str = "xxh3_64",
                  advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
-                 max_peers: int = 10_000, manifest: str | None = None):
+                 max_peers: int = 10_000, manifest: str | None = None,
+                 s3_concurrency: int = 16, s3_range_size: int = 8 << 20):
         self.path = os.fspath(path)
         self.key = key
         self.topology = make_topology(topology)  # a bad name fails before the scan
         t0 = time.monotonic()
-        self.source = None
-        known = self._published(path, manifest) if manifest else catalog.lookup(path, chunk_size, hash)
-        if known is not None:  # hashed before (a restart): serve now, read chunks as peers ask for them
+        self.source = self.s3 = None
+        if self.path.startswith("s3://"):  # an object store: boto3 is imported only here
+            from .objstore import S3Checkpoint
+
+            self.s3 = S3Checkpoint(self.path, s3_concurrency, s3_range_size)
+            known = self.s3.check(_read_manifest(manifest), manifest) if manifest else None
+            scan, open_source = self.s3.build, self.s3.source
+        else:
+            known = self._published(path, manifest) if manifest else catalog.lookup(path, chunk_size, hash)
+            scan, open_source = (lambda *a, **kw: build(path, *a, **kw)), (lambda files: BlobSource(path, files))
+        if known is not None:  # hashed before (a restart, a published manifest): serve now, read as peers ask
             self.manifest, self.scanned = known, 0
             self.store = Store(known)
-            self.source = BlobSource(path, known.files)
+            self.source = open_source(known.files)
         else:
-            self.manifest, self.scanned, buffer = build(path, chunk_size, hash, into=host_buffer)
-            catalog.remember(path, self.manifest)
+            self.manifest, self.scanned, buffer = scan(chunk_size, hash, into=host_buffer)
+            if self.s3 is None:
+                catalog.remember(path, self.manifest)
             self.store = Store(self.manifest, buffer)
             self.store.hold_all()
         self.scan_seconds = time.monotonic() - t0
@@ -106,11 +116,7 @@ class Seeder:
     @staticmethod
     def _published(path, manifest_path: str) -> Manifest:
         """A manifest built earlier (``p2pw manifest PATH -o M``) that matches the files at ``path``."""
-        try:
-            with open(manifest_path) as f:
-                m = Manifest.from_json(f.read())
-        except OSError as e:
-            raise P2PError(f"cannot read manifest {manifest_path}: {e.strerror}") from None
+        m = _read_manifest(manifest_path)
         on_disk = {name: size for name, _, size in checkpoint_files(path)}
         for f in m.files:
             have = on_disk.get(f["name"])
@@ -143,6 +149,8 @@ class Seeder:
 
     def close(self) -> None:
         self.node.stop()
+        if self.s3 is not None and self.source is not None:
+            self.source.close()  # its GET threads
         if self.gate is not None:
             self.gate.stop()
         self.ctx.term()
@@ -152,6 +160,14 @@ class Seeder:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _read_manifest(manifest_path: str) -> Manifest:
+    try:
+        with open(manifest_path) as f:
+            return Manifest.from_json(f.read())
+    except OSError as e:
+        raise P2PError(f"cannot read manifest {manifest_path}: {e.strerror}") from None
 
 
 def seed(path, **kw) -> Seeder:

@@ -97,7 +97,7 @@ def cmd_seed(args) -> int:
         args.topology = f"auto:{args.expect}"
     s = seed(args.path, port=args.port, host=args.host, chunk_size=args.chunk_size, topology=args.topology,
              advertise=args.advertise, window=args.window, hash=args.hash, key=key, max_peers=args.max_peers,
-             manifest=args.manifest)
+             manifest=args.manifest, s3_concurrency=args.s3_concurrency, s3_range_size=args.s3_range_size)
     m = s.manifest
     print(f"p2pw: serving {args.path}: {human(m.total_size)} in {m.n_chunks} chunks of {human(m.chunk_size)}, "
           f"{len(m.files)} files, {len(m.tensors)} tensors " + (
@@ -120,6 +120,8 @@ def cmd_seed(args) -> int:
               "bytes_sent": s.stats.bytes_sent, "chunks_sent": s.stats.chunks_sent, "malformed": s.stats.malformed,
               "peers": {r: {"parents": mem.parents, "done": mem.done, "peer_id": mem.peer_id}
                         for r, mem in s.tracker.members.items()}}
+    if s.s3 is not None:
+        report["s3_retries"] = s.s3.retries
     write_json(args.report, report)
     print(f"p2pw: seeder done: read {human(s.bytes_read)} from storage for a {human(m.total_size)} model "
           f"({s.bytes_read / max(m.total_size, 1):.2f}x), sent {human(s.stats.bytes_sent)} to "
@@ -222,7 +224,12 @@ def cmd_pack(args) -> int:
 def cmd_manifest(args) -> int:
     from .manifest import build
 
-    m, _, _ = build(args.path, args.chunk_size)
+    if args.path.startswith("s3://"):
+        from .objstore import S3Checkpoint
+
+        m, _, _ = S3Checkpoint(args.path, args.s3_concurrency, args.s3_range_size).build(args.chunk_size)
+    else:
+        m, _, _ = build(args.path, args.chunk_size)
     text = m.to_json(indent=1)
     if args.output:
         with open(args.output, "w") as f:
@@ -266,6 +273,14 @@ def cmd_simulate(args, rest) -> int:
     return simulate_main(rest) or 0
 
 
+def s3_flags(p) -> None:
+    """Flags for an s3://BUCKET/PREFIX source (credentials and endpoint come from the AWS environment)."""
+    p.add_argument("--s3-concurrency", type=int, default=16, metavar="N",
+                   help="s3:// sources: ranged GETs in flight (default 16)")
+    p.add_argument("--s3-range-size", type=size, default=8 << 20, metavar="SIZE",
+                   help="s3:// sources: bytes per ranged GET (default 8MiB)")
+
+
 def parser() -> argparse.ArgumentParser:
     from .manifest import DEFAULT_CHUNK_SIZE, HASH_NAMES
 
@@ -274,7 +289,7 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("seed", help="serve a checkpoint (file or directory) and run the tracker")
-    s.add_argument("path")
+    s.add_argument("path", help="checkpoint file or directory, or s3://BUCKET/PREFIX (pip install 'p2pweights[s3]')")
     s.add_argument("--port", type=int, default=7420)
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--advertise", help="address peers should use to reach this host (default: the one they used)")
@@ -296,6 +311,7 @@ def parser() -> argparse.ArgumentParser:
                    help="chunk hash: xxh3_64 (default, fast, catches corruption) or a cryptographic one "
                         "(sha256, blake2b, blake3) that also stops a peer forging chunks")
     s.add_argument("--max-peers", type=int, default=10_000, help="refuse joiners beyond this many peers")
+    s3_flags(s)
     s.set_defaults(func=cmd_seed)
 
     j = sub.add_parser("join", help="attach this host to a broadcast and download the checkpoint")
@@ -334,6 +350,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("path")
     m.add_argument("--chunk-size", type=size, default=DEFAULT_CHUNK_SIZE)
     m.add_argument("-o", "--output")
+    s3_flags(m)
     m.set_defaults(func=cmd_manifest)
 
     v = sub.add_parser("verify", help="check a local copy against a manifest")

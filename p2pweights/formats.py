@@ -56,17 +56,28 @@ def read_safetensors_header(path) -> tuple[list[dict], int]:
     try:
         with open(path, "rb") as f:
             file_size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise FormatError(f"{path}: {file_size} bytes, too short for a safetensors header length (8 bytes)")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > MAX_HEADER:
-                raise FormatError(f"{path}: header length {header_len} exceeds the {MAX_HEADER} byte limit")
-            if 8 + header_len > file_size:
-                raise FormatError(f"{path}: header length {header_len} runs past the end of the {file_size} byte file")
+            header_len = safetensors_header_len(f.read(8), file_size, path)
             raw = f.read(header_len)
     except OSError as e:
         raise FormatError(f"{path}: cannot read: {e.strerror or e}") from e
+    return parse_safetensors_header(raw, file_size, path)
+
+
+def safetensors_header_len(head: bytes, file_size: int, path) -> int:
+    """The header length a safetensors file's first 8 bytes give, checked against its ``file_size``."""
+    if len(head) < 8:
+        raise FormatError(f"{path}: {file_size} bytes, too short for a safetensors header length (8 bytes)")
+    (header_len,) = struct.unpack("<Q", head[:8])
+    if header_len > MAX_HEADER:
+        raise FormatError(f"{path}: header length {header_len} exceeds the {MAX_HEADER} byte limit")
+    if 8 + header_len > file_size:
+        raise FormatError(f"{path}: header length {header_len} runs past the end of the {file_size} byte file")
+    return header_len
+
+
+def parse_safetensors_header(raw: bytes, file_size: int, path) -> tuple[list[dict], int]:
+    """``read_safetensors_header`` for a header already read: ``raw`` is its JSON (after the 8 length bytes)."""
+    header_len = len(raw)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
@@ -112,9 +123,16 @@ def read_packed_index(path) -> tuple[dict, list[dict]]:
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            doc = json.loads(f.read(MAX_HEADER + 1))
+            raw = f.read(MAX_HEADER + 1)
     except OSError as e:
         raise FormatError(f"{path}: cannot read: {e.strerror or e}") from e
+    return parse_packed_index(raw, path)
+
+
+def parse_packed_index(raw: bytes, path) -> tuple[dict, list[dict]]:
+    """``read_packed_index`` for an index already read (``raw`` is the file's bytes)."""
+    try:
+        doc = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise FormatError(f"{path}: packed index is not valid JSON: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != PACKED_FORMAT:
@@ -164,6 +182,12 @@ def _walk(root: str, prefix: str, out: list) -> None:
             out.append((rel, os.path.abspath(entry.path), entry.stat().st_size))
 
 
+def listed(name: str) -> bool:
+    """Whether a file at relative ``name`` ('/'-separated) belongs to a checkpoint: the rule ``_walk``
+    applies (no part hidden by a leading '.'), for sources listed by name (object stores)."""
+    return all(part and not part.startswith(".") for part in name.split("/"))
+
+
 def checkpoint_files(path) -> list[tuple[str, str, int]]:
     """``(name, absolute path, size)`` of every file of a checkpoint, sorted by name.
 
@@ -199,35 +223,57 @@ def layout(path) -> tuple[list[dict], list[dict], int]:
     A packed checkpoint's tensors come from its index (``NAME.p2pw.json``
     describing ``NAME.p2pw``), not from reading the blob.
     """
-    files, tensors, seen = [], [], {}
-    end = 0
     entries = checkpoint_files(path)
-    starts, sizes = {}, {name: size for name, _, size in entries}
-    for name, abspath, size in entries:
-        offset = starts[name] = align_up(end)
+    full = {name: abspath for name, abspath, _ in entries}
+    files, total = blob_files([(name, size) for name, _, size in entries])
+    tensors = tensor_index(files, lambda name: read_safetensors_header(full[name])[0],
+                           lambda name: read_packed_index(full[name]), where=full.__getitem__)
+    return files, tensors, total
+
+
+def blob_files(entries) -> tuple[list[dict], int]:
+    """The file table of a checkpoint's ``(name, size)`` pairs and the blob size: the one layout rule
+    (name order, each file on an ``ALIGN`` boundary), whatever the files came from (disk, object store)."""
+    files, end = [], 0
+    for name, size in sorted(entries):
+        offset = align_up(end)
         files.append({"name": name, "offset": offset, "size": size})
         end = offset + size
-    for name, abspath, size in entries:
-        offset = starts[name]
+    return files, end
+
+
+def is_indexed(name: str) -> bool:
+    """Whether file ``name`` holds tensor index bytes (a safetensors header, a packed index)."""
+    return name.endswith(".safetensors") or name.endswith(PACKED_INDEX_SUFFIX)
+
+
+def tensor_index(files: list[dict], header_of, index_of, where=str) -> list[dict]:
+    """Tensors in blob coordinates, from ``header_of(name)`` (a safetensors file's tensors)
+    and ``index_of(name)`` (a packed index's ``(doc, tensors)``); ``where(name)`` names a file in errors."""
+    tensors, seen = [], {}
+    starts = {f["name"]: f["offset"] for f in files}
+    sizes = {f["name"]: f["size"] for f in files}
+    for f in files:
+        name, offset = f["name"], f["offset"]
         if name.endswith(PACKED_INDEX_SUFFIX):
-            blob, packed = read_packed_index(abspath)
+            blob, packed = index_of(name)
             blob_name = name[: -len(PACKED_INDEX_SUFFIX)] + PACKED_SUFFIX
             if blob_name not in starts:
-                raise FormatError(f"{abspath}: packed index without its blob {blob_name}")
+                raise FormatError(f"{where(name)}: packed index without its blob {blob_name}")
             if blob["total_size"] != sizes[blob_name]:
-                raise FormatError(f"{abspath}: index says the blob has {blob['total_size']} bytes, "
+                raise FormatError(f"{where(name)}: index says the blob has {blob['total_size']} bytes, "
                                   f"{blob_name} has {sizes[blob_name]}")
             for t in packed:
                 if t["name"] in seen:
-                    raise FormatError(f"{abspath}: tensor {t['name']!r} also appears in {seen[t['name']]}")
+                    raise FormatError(f"{where(name)}: tensor {t['name']!r} also appears in {seen[t['name']]}")
                 seen[t["name"]] = blob_name
                 tensors.append({**t, "offset": starts[blob_name] + t["offset"], "file": blob_name})
             continue
         if not name.endswith(".safetensors"):
             continue
-        for t in read_safetensors_header(abspath)[0]:
+        for t in header_of(name):
             if t["name"] in seen:
-                raise FormatError(f"{abspath}: tensor {t['name']!r} also appears in {seen[t['name']]}")
+                raise FormatError(f"{where(name)}: tensor {t['name']!r} also appears in {seen[t['name']]}")
             seen[t["name"]] = name
             tensors.append({**t, "offset": offset + t["offset"], "file": name})
-    return files, tensors, end
+    return tensors

@@ -4,7 +4,10 @@ The manifest names the blob (total size, chunk size, one hash per chunk), how
 the blob maps back to files (file table) and to tensors (tensor index).  Its
 model id is the SHA-256 of its canonical JSON (sorted keys, no whitespace,
 ``model_id`` left out), so a joiner can pin exactly one checkpoint and a
-manifest that was altered in flight fails its own hash.
+manifest that was altered in flight fails its own hash.  A file entry may
+also carry ``etag``: the object's ETag when the blob came from an object store
+(s3://), so a seeder can refuse an object that changed since; local files
+have none, so their model id does not change.
 """
 from __future__ import annotations
 

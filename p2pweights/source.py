@@ -86,6 +86,15 @@ class BlobSource:
         self.read_into(lo, view)
         return digest(view) == manifest.chunks[index]
 
+    def read_chunks(self, manifest, indices, view_of, digest):
+        """Yield ``(index, verified)`` for each chunk in ``indices``, read into ``view_of(index)`` one by one."""
+        for index in indices:
+            try:
+                ok = self.read_chunk(manifest, index, view_of(index), digest)
+            except OSError:
+                ok = False
+            yield index, ok
+
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
@@ -126,13 +135,15 @@ class ReadAhead:
     A seeder restarted from the catalog serves chunks it has not read yet: the
     node asks ``want(index)``; this thread reads the chunk into the store's
     buffer, verifies it against the manifest, and reports ``on_ready(index,
-    ok)``, reading ``ahead`` chunks past each request so storage streams
+    ok)``, reading ``ahead`` chunks past each request (or as many as the
+    source says pay, for one that reads them in parallel) so storage streams
     while the network sends.  Only chunks the store does not hold are written,
     and nobody reads a chunk before it is published, so no lock guards the buffer.
     """
 
     def __init__(self, source: BlobSource, store, on_ready, ahead: int = 8, on_exit=None):
-        self.source, self.store, self.on_ready, self.ahead, self.on_exit = source, store, on_ready, ahead, on_exit
+        self.source, self.store, self.on_ready, self.on_exit = source, store, on_ready, on_exit
+        self.ahead = getattr(source, "ahead", ahead)
         self.digest = chunk_hasher(store.manifest.hash)
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.done = np.zeros(store.manifest.n_chunks, dtype=bool)  # read (or tried) by this thread
@@ -153,14 +164,8 @@ class ReadAhead:
                 if self.on_exit:
                     self.on_exit()
                 return
-            for i in range(index, min(index + 1 + self.ahead, n)):
-                if not self.done[i] and not self.store.has(i):
-                    self._read(i)
-
-    def _read(self, index: int) -> None:
-        self.done[index] = True
-        try:
-            ok = self.source.read_chunk(self.store.manifest, index, self.store.chunk(index), self.digest)
-        except OSError:
-            ok = False
-        self.on_ready(index, ok)
+            todo = [i for i in range(index, min(index + 1 + self.ahead, n))
+                    if not self.done[i] and not self.store.has(i)]
+            self.done[todo] = True
+            for i, ok in self.source.read_chunks(self.store.manifest, todo, self.store.chunk, self.digest):
+                self.on_ready(i, ok)
