@@ -36,6 +36,7 @@ log = logging.getLogger("p2pw")
 
 MAX_WINDOW = MAX_PARKED  # most requests a partner may have waiting here
 MAX_CHILDREN = 64  # partners one node serves at once; more are refused at ATTACH
+TIMER_INTERVAL = 0.02  # the loop looks at its timers at most this often
 HEARTBEAT_INTERVAL = 0.5  # to partners we serve, and peers <-> tracker
 PARENT_TIMEOUT = 5.0  # a partner silent this long is given up (configurable)
 TRACKER_TIMEOUT = 10.0  # a tracker silent this long is re-introduced to (it may have restarted)
@@ -97,7 +98,7 @@ class Node:
         self.fresh: list[int] = []  # verified since the last HAVE batch
         self.tracker_addr: str | None = None  # where joiners are redirected (a peer: its tracker)
         self.rank = 0
-        self.next_heartbeat = self.next_prune = 0.0
+        self.next_heartbeat = self.next_prune = self.next_timers = 0.0
         self.reader = None  # a seeder serving a known manifest reads chunks from storage as peers ask
         self.poller = zmq.Poller()
         self.poller.register(router, zmq.POLLIN)
@@ -210,6 +211,9 @@ class Node:
 
     def _tick(self, now: float) -> None:
         """Timers: heartbeats, silent partners, stalled requests, completion, leaving, giving up."""
+        if now < self.next_timers:
+            return
+        self.next_timers = now + TIMER_INTERVAL
         if now >= self.next_heartbeat:
             self.next_heartbeat = now + HEARTBEAT_INTERVAL
             self._heartbeat(now)

@@ -17,7 +17,9 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
 3. help: chunks of a stripe whose planned source lags behind what
    the other partners hold (``LAG_CHUNKS``) or is much slower than the other
    links (``SLOW_LINK``), taken from partners that hold them, rarest first
-   among the lowest candidates, at most ``HELP_WINDOW`` per helping link;
+   among the lowest candidates, at most ``HELP_WINDOW`` per helping link and
+   per planned source in all, so help never crowds out a partner's own
+   children;
 4. endgame: once nothing is left to ask, each missing chunk may be asked of a
    second holder; the first copy to arrive cancels the other request.
 
@@ -37,13 +39,16 @@ MIN_WINDOW = 2
 MAX_WINDOW = 32
 QUEUE_TIME = 0.25  # seconds of a link's measured rate that its window keeps asked for
 RATE_WEIGHT = 0.25  # weight of the newest sample in a link's rate average
-LAG_CHUNKS = 4  # a planned source lacking this many chunks the other partners hold is lagging
-SLOW_LINK = 0.4  # a planned source delivering below this share of the best other link is slow
+LAG_CHUNKS = 8  # a planned source lacking more than this (or 2 windows) of what partners hold is lagging
+SLOW_LINK = 0.3  # a planned source delivering below this share of the other links' median is slow
 HELP_WINDOW = 2  # requests a helping (non-planned) link carries at once
 RAREST_AMONG = 16  # help picks the rarest of this many lowest candidates
 STALL_MIN = 2.0  # seconds: no request is called stalled sooner
 STALL_MAX = 10.0  # seconds: a request is called stalled after this long whatever the rate says
 STALL_WINDOWS = 4  # a request is stalled after this many windows' worth of time at the link's rate
+PARK_AHEAD = 2  # chunks a planned source is asked for before it holds them (it forwards them at once)
+ENDGAME_LATE = 2.0  # a request this many times later than its link's queue explains is overdue
+ENDGAME_PER_LINK = 2  # endgame duplicates one link carries at once
 SEEDER = 0  # rank of the seeder: helps only a stripe whose planned source is gone, so its uplink
 #             carries each chunk about once
 
@@ -86,6 +91,7 @@ class PullScheduler:
         self.inflight = np.zeros(n_chunks, bool)  # asked of at least one link
         self.asked: dict[int, set[int]] = {}  # chunk -> ranks it is asked of
         self.urgent = np.zeros(n_chunks, bool)
+        self.movable = np.zeros(n_chunks, bool)  # in flight, parked at a lagging source that lacks it
         self.holders = np.zeros(n_chunks, np.int32)  # ready links holding each chunk
         self.links: dict[int, Link] = {}
         self.plan: list[int | None] = [None] * stripes
@@ -217,15 +223,19 @@ class PullScheduler:
         for lk in sorted(ready, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
             mask = self._planned_mask(lk.rank)
             mask = orphaned & lk.holds if mask is None else mask | (orphaned & lk.holds)
-            self._ask(lk, self._pick(lk, mask, lk.free()), out)
+            self._ask(lk, self._pick(lk, mask, lk.free(), park=PARK_AHEAD), out)
         lagging &= ~orphaned
         if lagging.any():  # 3b. a stripe whose planned source lags: partners help, a few chunks each
+            budget = HELP_WINDOW * max(1, len(set(self.plan))) - sum(
+                1 for lk in self.links.values() for i in lk.outstanding if i in lk.helping)
             for lk in sorted(ready, key=lambda x: -x.rate):
-                if lk.rank == SEEDER:
+                if lk.rank == SEEDER or budget <= 0:
                     continue
                 helping = sum(1 for i in lk.outstanding if i in lk.helping)
-                chunks = self._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping), rarest=True)
+                chunks = self._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping, budget),
+                                    rarest=True)
                 lk.helping.update(chunks)
+                budget -= len(chunks)
                 self._ask(lk, chunks, out)
         if not self._wanted().any() and not self.have.all():  # 4. endgame: a second holder
             self._endgame(ready, out)
@@ -236,6 +246,8 @@ class PullScheduler:
         elsewhere (and to CANCEL there).  Returns them per link, for the log."""
         now = self.clock()
         out = []
+        if self.inflight.any() and not self._wanted().any():
+            self.dirty = True  # the endgame depends on time: look again for overdue requests
         for lk in self.links.values():
             rate = lk.rate or self._typical_rate()
             bound = STALL_MAX if rate <= 0 else \
@@ -282,7 +294,7 @@ class PullScheduler:
         """Chunks other partners may be asked for (stripes whose planned source lags), and the
         subset whose planned source is gone (which the seeder may serve too)."""
         mask, orphaned = np.zeros(self.n, bool), np.zeros(self.n, bool)
-        best = max((lk.rate for lk in self.links.values()), default=0.0)
+        self.movable[:] = False
         seeder = self.links.get(SEEDER)
         peers_hold = self.holders - (seeder.holds if seeder is not None and seeder.ready else 0)
         for s, rank in enumerate(self.plan):
@@ -297,21 +309,30 @@ class PullScheduler:
             else:
                 others = (peers_hold - (src.holds if rank != SEEDER else 0)) > 0
                 lacks = int((missing & others & ~src.holds).sum())
-                slow = src.rate > 0 and best > 0 and src.rate < SLOW_LINK * best
-                lagging = lacks > LAG_CHUNKS or slow
+                rates = [lk.rate for lk in self.links.values() if lk.rate > 0 and lk is not src]
+                slow = src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * float(np.median(rates))
+                lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow
             if lagging:
                 mask |= missing & ~self.inflight
-                if src is not None and src.holds is not None:  # parked at a source that lacks them
-                    parked = [i for i in src.outstanding if not src.holds[i]]
+                if src is not None and src.holds is not None and slow:  # parked at a slow source
+                    parked = [i for i in src.outstanding if not src.holds[i] and len(self.asked[i]) == 1]
                     mask[parked] = True
+                    self.movable[parked] = True
         return mask & ~self.have, orphaned
 
-    def _pick(self, lk: Link, mask: np.ndarray, k: int, rarest: bool = False) -> list[int]:
+    def _pick(self, lk: Link, mask: np.ndarray, k: int, rarest: bool = False, park: int = 0) -> list[int]:
+        """Up to ``k`` chunks of ``mask`` to ask of ``lk``: lowest first (or rarest among the lowest);
+        ``park``: how many it may hold parked (asked before it has them) at once."""
         if k <= 0:
             return []
-        mask = mask & ~self.have
+        mask = mask & ~self.have & (~self.inflight | self.movable)
         mask[list(lk.outstanding)] = False
         idx = np.flatnonzero(mask)
+        if park:
+            held = lk.holds[idx]
+            parked = sum(1 for i in lk.outstanding if not lk.holds[i])
+            ahead = np.flatnonzero(~held)[:max(0, park - parked)]
+            idx = idx[np.sort(np.concatenate([np.flatnonzero(held), ahead]))]
         if not rarest:
             return idx[:k].tolist()
         lowest = idx[:max(k, RAREST_AMONG)]
@@ -324,6 +345,7 @@ class PullScheduler:
             for other in self.asked.get(i, ()):  # a parked request moved to a holder
                 self.links[other].outstanding.pop(i, None)
                 self._withdraw(self.links[other], [i])
+            self.movable[i] = False
             self.asked[i] = {lk.rank}
             self.inflight[i] = True
             lk.outstanding[i] = now
@@ -346,15 +368,30 @@ class PullScheduler:
                 self.inflight[index] = False
 
     def _endgame(self, ready: list[Link], out: dict) -> None:
+        """Ask a second holder for a missing chunk whose request is overdue: outstanding more than
+        ``ENDGAME_LATE`` times what its link's queue and rate explain.  A chunk is a few MiB, so a
+        duplicate is asked only where it saves time, at most ``ENDGAME_PER_LINK`` per link."""
         now = self.clock()
-        for lk in sorted(ready, key=lambda x: -x.rate):
-            free = lk.free()
-            if not free:
+        if self.missing() > max(ENDGAME_PER_LINK, 2 * len(ready)):
+            return
+        overdue = []
+        for i, ranks in self.asked.items():
+            if len(ranks) != 1 or self.have[i]:
                 continue
-            cands = [(t, i) for i, ranks in self.asked.items() if len(ranks) == 1 and lk.rank not in ranks
-                     and lk.holds[i] and not self.have[i]
-                     for t in [self.links[next(iter(ranks))].outstanding.get(i, now)]]
-            for _, i in sorted(cands)[:free]:
+            src = self.links[next(iter(ranks))]
+            if src.holds is None or not src.holds[i]:
+                continue  # parked: it waits for its own source, a second one would not be faster
+            expect = len(src.outstanding) * self.chunk_size / src.rate if src.rate > 0 else STALL_MIN
+            t = src.outstanding.get(i, now)
+            if now - t > ENDGAME_LATE * expect:
+                overdue.append((t, i, src.rank))
+        if not overdue:
+            return
+        for lk in sorted(ready, key=lambda x: -x.rate):
+            dup = sum(1 for i in lk.outstanding if len(self.asked.get(i, ())) > 1)
+            free = min(lk.free(), ENDGAME_PER_LINK - dup)
+            picks = [i for _, i, r in sorted(overdue) if r != lk.rank and lk.holds[i] and len(self.asked[i]) == 1]
+            for i in picks[:max(0, free)]:
                 self.asked[i].add(lk.rank)
                 lk.outstanding[i] = now
                 out.setdefault(lk.rank, []).append(i)

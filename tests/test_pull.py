@@ -73,14 +73,17 @@ def test_bad_chunk_is_asked_again_and_counted_against_the_link():
 
 
 def test_a_lagging_planned_source_loses_its_share_to_a_partner_that_holds_it():
-    # the planned source (1) lacks chunks 2..7 that partner 2 holds: 1 is behind the swarm
-    s, _ = sched(links={1: "11......", 2: "11111111"}, plan=(1,), window=4)
+    # the planned source (1) lacks chunks 2..31 that partner 2 holds: 1 is far behind the swarm
+    s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 32}, plan=(1,), window=4)
     got = asked(s)
-    assert got[1] == [0, 1, 2, 3]
-    # the helper takes chunks beyond the planned window, from the ones the source lacks, a few at a time;
-    # requests parked at the source for chunks it lacks (2, 3) may move to the holder
-    assert 0 < len(got[2]) <= HELP_WINDOW and set(got[2]) <= {2, 3, 4, 5, 6, 7}
-    assert not set(got[1][:2]) & set(got[2])  # what the planned source holds stays with it
+    assert got[1] == [0, 1, 2, 3]  # what it holds, and two parked ahead of it (it forwards them at once)
+    # the helper takes a few of the chunks the source lacks and nobody has asked for yet
+    assert 0 < len(got[2]) <= HELP_WINDOW and set(got[2]) <= set(range(4, 32))
+
+
+def test_a_planned_source_a_little_behind_keeps_its_share():
+    s, _ = sched(n=32, links={1: "1" * 28 + "....", 2: "1" * 32}, plan=(1,), window=4)
+    assert set(asked(s)) == {1}
 
 
 def test_a_dead_planned_source_gives_its_requests_back_at_once():
@@ -115,9 +118,12 @@ def test_stall_gives_requests_back_and_cancels_them():
 
 def test_endgame_asks_a_second_holder_and_the_first_copy_cancels_the_other():
     s, clock = sched(n=4, have="111.", links={1: "1111", 2: "1111"}, plan=(1,), window=4)
-    got = asked(s)
-    assert got == {1: [3], 2: [3]}  # nothing else left to ask: the last chunk of two holders
-    clock.t = 0.1
+    assert asked(s) == {1: [3]}  # the last chunk, of its planned source
+    assert asked(s) == {}  # not overdue yet: no duplicate
+    clock.t = 10.0  # far later than the planned source's queue explains
+    s.stalled()  # the node's timer: looks again
+    assert asked(s) == {2: [3]}  # nothing else left to ask: a second holder
+    clock.t = 10.1
     s.arrived(2, 3, ok=True)
     assert s.take_cancels() == [(1, [3])]
     assert s.complete
