@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 
 from . import protocol
-from .protocol import Msg, ProtocolError
+from .protocol import MAX_NAME, Msg, ProtocolError
 from .tracker import TrackerError
 
 log = logging.getLogger("p2pw")
 
-MAX_NAME = 256  # longest peer id or listen address a HELLO may carry
 REVIEW_INTERVAL = 1.0  # seconds between reviews of the reported rates
 
 

@@ -16,8 +16,7 @@ import numpy as np
 import zmq
 
 from . import protocol
-from .endpoint import MAX_NAME
-from .protocol import SERVER_TRANSITIONS, Connection, Msg, ProtocolError
+from .protocol import MAX_NAME, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
 
 log = logging.getLogger("p2pw")
 

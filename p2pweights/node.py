@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import zmq
 
 from . import faults, keys, protocol
-from .endpoint import MAX_NAME, TrackerEndpoint  # noqa: F401  (MAX_NAME: part of the node's limits)
 from .handlers import MAX_BAD_FROM_PARENT, MAX_BAD_MESSAGES, READY, Child, Handlers  # noqa: F401
 from .manifest import chunk_hasher
 from .member import Membership
 from .partners import Partners, tcp  # noqa: F401  (tcp: part of the node's surface)
-from .protocol import Connection, Msg
+from .protocol import MAX_NAME, Connection, Msg  # noqa: F401  (MAX_NAME: part of the node's limits)
 from .pull import DEFAULT_WINDOW, PullScheduler
 from .serve import MAX_PARKED, UploadScheduler
 
@@ -88,7 +87,11 @@ class Node:
         n = manifest.n_chunks
         self.serve = UploadScheduler(n, store.has, fresh_first=tracker is not None)
         self.pull = PullScheduler(n, manifest.chunk_size, store.have, window=window, clock=clock)
-        self.endpoint = TrackerEndpoint(tracker, manifest, clock) if tracker is not None else None
+        self.endpoint = None  # the tracker's member handlers: on the seeder only
+        if tracker is not None:
+            from .endpoint import TrackerEndpoint
+
+            self.endpoint = TrackerEndpoint(tracker, manifest, clock)
         self.tracker = tracker
         self.partners = Partners(self)
         self.conns: dict[bytes, Connection] = {}

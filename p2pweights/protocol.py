@@ -36,6 +36,7 @@ HEADER = struct.Struct("<3sBB")
 INDEX = struct.Struct("<I")
 MAX_CONTROL_BODY = 64 << 10  # a control header larger than this is hostile
 MAX_REQUEST = 256  # chunk indices in one REQUEST
+MAX_NAME = 256  # longest peer id or listen address a HELLO or ATTACH may carry
 
 
 class ProtocolError(ValueError):
