@@ -86,7 +86,8 @@ def test_llama_greedy_tokens_equal(tmp_path, seeded, loads, tie):
     original.save_pretrained(tmp_path / "m")
     with open(tmp_path / "m" / "config.json") as f:
         assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
-    model, dl = loads(seeded(tmp_path / "m"))
+    out = tmp_path / "out" if tie else None  # with --out the files land on disk too; the model never reads them
+    model, dl = loads(seeded(tmp_path / "m"), out=out)
     assert type(model) is LlamaForCausalLM and not model.training
     assert_views_of_buffer(model, dl)
     assert_same_buffers(model, original)
@@ -98,6 +99,9 @@ def test_llama_greedy_tokens_equal(tmp_path, seeded, loads, tie):
         assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     prompt = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(1))
     assert torch.equal(greedy_tokens(model, prompt), greedy_tokens(original, prompt))
+    if out is not None:
+        dl.wait(timeout=60)
+        assert (out / "config.json").read_bytes() == (tmp_path / "m" / "config.json").read_bytes()
 
 
 def test_bert_outputs_equal(tmp_path, seeded, loads):
