@@ -170,6 +170,10 @@ def _plan(transformers, model, dl: Download) -> dict[str, str]:
     ignore = re.compile("|".join([*LEGACY_UNEXPECTED, *(getattr(model, "_keys_to_ignore_on_load_unexpected",
                                                                 None) or ())]))
     prefix = getattr(model, "base_model_prefix", "") or ""
+    # a checkpoint of a model with a head (names under 'prefix.') loaded into its base model: the head's
+    # tensors (lm_head, cls...) are left out, as transformers does
+    head_left_out = bool(prefix) and not hasattr(model, prefix) and any(
+        t["name"].startswith(prefix + ".") for t in dl.manifest.tensors)
     plan, unexpected = {}, []
     for t in dl.manifest.tensors:
         key = rename(t["name"])
@@ -177,8 +181,8 @@ def _plan(transformers, model, dl: Download) -> dict[str, str]:
             plan[key] = t["name"]
         elif ignore.search(t["name"]):
             continue
-        elif prefix and not hasattr(model, prefix) and not t["name"].startswith(prefix + "."):
-            continue  # a head's tensor (lm_head, cls...) of a checkpoint whose base this model is
+        elif head_left_out and not t["name"].startswith(prefix + "."):
+            continue
         else:
             unexpected.append(t["name"])
     for target, source in tied.items():  # either side may be the one the checkpoint holds

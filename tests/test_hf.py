@@ -1,5 +1,6 @@
 """hf.from_pretrained: small random transformers models, seeded over real sockets, loaded as views, same outputs."""
 import json
+import re
 
 import pytest
 import torch
@@ -145,13 +146,15 @@ def test_missing_tensor_is_one_clear_error(tmp_path, seeded):
     assert "1 missing from the checkpoint (model.layers.1.mlp.up_proj.weight)" in msg
 
 
-def test_unexpected_tensor_is_one_clear_error(tmp_path, seeded):
-    original = llama(False)
+@pytest.mark.parametrize("make,extra", [(lambda: llama(False), "model.layers.0.mlp.extra.weight"),
+                                        (bert, "encoder.layer.0.extra.weight")], ids=["llama", "bert"])
+def test_unexpected_tensor_is_one_clear_error(tmp_path, seeded, make, extra):
+    original = make()
     sd = {k: v.contiguous() for k, v in original.state_dict().items()}
-    sd["model.layers.0.mlp.extra.weight"] = torch.zeros(4, 4)
+    sd[extra] = torch.zeros(4, 4)
     write_checkpoint(tmp_path / "m", original, sd)
-    with pytest.raises(p2pweights.P2PError, match=r"1 in the checkpoint but not in LlamaForCausalLM "
-                                                  r"\(model\.layers\.0\.mlp\.extra\.weight\)"):
+    with pytest.raises(p2pweights.P2PError, match=rf"1 in the checkpoint but not in {type(original).__name__} "
+                                                  rf"\({re.escape(extra)}\)"):
         hf.from_pretrained(seeded(tmp_path / "m"), host="127.0.0.1", timeout=60)
 
 
