@@ -1,12 +1,16 @@
 """Loader benchmark (CPU): time to first tensor and to a full state_dict through p2pweights,
 against ``safetensors.torch.load_file`` of the same checkpoint from local disk, in the same run
 (load_file alone maps the file lazily and reads nothing; "+ clone" reads every byte into memory).
+With transformers installed, a second table: time to a usable transformers model (returned, and
+after its first forward pass) through ``p2pweights.hf.from_pretrained`` against
+``transformers.AutoModelForCausalLM.from_pretrained`` of the same ``save_pretrained`` files on
+local disk (``--hf-size-mb``, 0 to skip).
 
 A seeder runs in a subprocess on loopback (already serving: its one read of storage is not
 counted, as on a fleet where the seeder is up before the leaves join); each p2pweights load is
 a fresh ``join(..., device="cpu")`` in this process.  Baseline loads read a warm page cache.
 
-    .venv/bin/python bench/loader.py [--size-mb 512] [--repeat 3]
+    .venv/bin/python bench/loader.py [--size-mb 512] [--hf-size-mb 512] [--repeat 3]
 """
 from __future__ import annotations
 
@@ -76,6 +80,7 @@ def main(argv=None):
     ap.add_argument("--size-mb", type=float, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--chunk-size", type=int, default=4 << 20)
+    ap.add_argument("--hf-size-mb", type=float, default=512, help="transformers model size for the hf table (0: skip)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with tempfile.TemporaryDirectory(prefix="p2pw-bench-loader-") as work:
@@ -111,6 +116,103 @@ def main(argv=None):
                   f"{base / full:>11.2f}x")
         for label, _, _, report in rows[2:]:
             print(f"\n{label}: stage report of the best run\n" + p2pweights_format(report))
+        if args.hf_size_mb > 0:
+            hf_table(work, args)
+
+
+def random_llama_dir(path, size_mb: float):
+    """``save_pretrained`` of a random bf16 Llama of about ``size_mb`` MB (weights drawn fast, not trained)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, inter, vocab = 1024, 2816, 32000
+    per_layer = 2 * (4 * hidden * hidden + 3 * hidden * inter)
+    layers = max(1, round((size_mb * 1e6 - 2 * 2 * vocab * hidden) / per_layer))
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False,
+                         dtype="bfloat16")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02, generator=gen)
+    model.save_pretrained(path)
+    return layers
+
+
+def usable(load, prompt):
+    """(seconds to the model object, to the end of its first forward pass, logits, first forward's end
+    after the download's last chunk or None)."""
+    t0 = time.perf_counter()
+    model, dl = load()
+    returned = time.perf_counter() - t0
+    with torch.no_grad():
+        logits = model(prompt).logits
+    end = time.monotonic()
+    first = time.perf_counter() - t0
+    after = None
+    if dl is not None:
+        after = end - dl.store.done_at if dl.store.done_at else None
+        dl.close()
+    return returned, first, logits, after
+
+
+def hf_table(work, args):
+    try:
+        import transformers
+    except ImportError:
+        print("\nbench: transformers is not installed: no from_pretrained table")
+        return
+    from p2pweights import hf
+
+    src, packed = os.path.join(work, "hf-model"), os.path.join(work, "hf-packed")
+    layers = random_llama_dir(src, args.hf_size_mb)
+    pack(src, packed)
+    size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src) if f.endswith(".safetensors"))
+    prompt = torch.randint(0, 32000, (1, 16), generator=torch.Generator().manual_seed(1))
+    print(f"\nbench: Llama of {layers} layers, {size / 1e9:.3f} GB bf16 (save_pretrained); best of {args.repeat}")
+    logits = []
+
+    def transformers_load():
+        m = transformers.AutoModelForCausalLM.from_pretrained(src)  # dtype "auto": bf16, as saved
+        return m, None
+
+    def p2pw_load(port, stream):
+        def load():
+            return hf.from_pretrained(f"127.0.0.1:{port}", host="127.0.0.1", stream=stream)
+        return load
+
+    seeders = {}
+    try:
+        for path in (src, packed):
+            seeders[path] = start_seeder(path, work, args.chunk_size)
+        loads = [("transformers from_pretrained (local disk)", transformers_load)]
+        loads += [(label, p2pw_load(seeders[path][1]["port"], stream)) for label, path, stream in (
+            ("p2pw hf.from_pretrained, save_pretrained dir", src, False),
+            ("p2pw hf.from_pretrained, packed", packed, False),
+            ("p2pw hf.from_pretrained, packed, stream=True", packed, True))]
+        best = {label: None for label, _ in loads}
+        for _ in range(args.repeat):  # interleaved, so a noisy moment costs every row alike
+            for label, load in loads:
+                r = usable(load, prompt)
+                if best[label] is None:
+                    logits.append(r[2])
+                if best[label] is None or r[1] < best[label][1]:
+                    best[label] = r
+        rows = [(label, *best[label][:2], best[label][3]) for label, _ in loads]
+    finally:
+        for proc, _ in seeders.values():
+            proc.terminate()
+            proc.wait(10)
+    same = all(torch.equal(logits[0], x) for x in logits[1:])
+    base = rows[0][2]
+    print(f"\n{'time to a usable model':<48}{'returned':>11}{'first forward':>15}{'vs transformers':>17}"
+          f"{'forward done after last chunk':>31}")
+    for label, returned, first, after in rows:
+        tail = f"{after * 1e3:>28.0f} ms" if after is not None else f"{'-':>31}"
+        print(f"{label:<48}{returned * 1e3:>8.0f} ms{first * 1e3:>12.0f} ms{base / first:>16.2f}x{tail}")
+    print(f"logits of every load {'equal' if same else 'DIFFER'} (first forward, same prompt)")
 
 
 def p2pweights_format(report):

@@ -4,7 +4,9 @@ The example writes the model's weights once (packed, forward-pass order), seeds 
 throttled loopback seeder (P2PW_FAULTS=delay_send, so loading takes visible time), joins with
 ``device=`` and runs a forward pass whose blocks each wait for their tensors in a forward
 pre-hook: block 0 computes while later blocks are still arriving.  It prints per-block arrival
-and compute times, and time to first output against load-then-run.
+and compute times, and time to first output against load-then-run, and checks that both give the
+original model's outputs and greedy tokens (``examples/transformers_load.py`` does the same for a
+transformers Llama through ``p2pweights.hf``).
 
     .venv/bin/python examples/execute_while_load.py [--device cuda:0] [--delay-ms 5]
 """
@@ -52,6 +54,13 @@ class GPT(nn.Module):
         for block in self.layers:
             x = block(x)
         return self.head(self.norm(x))
+
+
+def greedy(model, ids, steps: int = 8):
+    """``ids`` followed by ``steps`` greedily chosen next tokens."""
+    for _ in range(steps):
+        ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
 
 
 def seeder(path, work, delay_ms):
@@ -103,6 +112,8 @@ def main():
         pack(os.path.join(work, "m.safetensors"), os.path.join(work, "packed"))
         with torch.no_grad():
             want = reference(ids)
+            want_tokens = greedy(reference, ids)
+        equal = True
         proc, port = seeder(os.path.join(work, "packed"), work, args.delay_ms)
         try:
             runs = {}
@@ -119,9 +130,11 @@ def main():
                     attach_waits(model, dl, log, t0)
                 with torch.no_grad():
                     out = model(ids.to(args.device))
-                first_output = time.perf_counter() - t0
+                    first_output = time.perf_counter() - t0
+                    got = greedy(model, ids.to(args.device)).cpu()
                 runs[mode] = first_output
                 assert torch.allclose(out.cpu().float(), want, atol=1e-4), "output differs from the original"
+                equal &= torch.equal(got, want_tokens)
                 print(f"\n{mode} on {args.device}:")
                 prev = None
                 for name, at in log:
@@ -131,6 +144,9 @@ def main():
                 dl.close()
             print(f"\ntime to first output: execute-while-load {runs['execute-while-load'] * 1e3:.0f} ms, "
                   f"load-then-run {runs['load-then-run'] * 1e3:.0f} ms")
+            print(f"greedy tokens: {want_tokens[0, SEQ:].tolist()}")
+            assert equal, "greedy tokens differ from the original model's"
+            print("tokens equal")
         finally:
             proc.terminate()
             proc.wait(10)

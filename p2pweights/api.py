@@ -253,6 +253,11 @@ class Download:
         """Tensor ``name`` (a view into the device buffer, its dtype and shape) once its bytes are there."""
         return self._device().wait_tensor(name, timeout)
 
+    def tensor_place(self, name: str):
+        """Tensor ``name`` as a view of where its bytes land in the device buffer, before they may have:
+        read it only after ``wait_tensor(name)`` returned (execute-while-load binds modules to these)."""
+        return self._device().place(name)
+
     def iter_tensors(self, timeout: float | None = None):
         """Yield ``(name, tensor)`` in the order their bytes complete."""
         return self._device().iter_tensors(timeout)

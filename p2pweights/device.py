@@ -259,14 +259,27 @@ class Loader:
             raise P2PError(str(e)) from None
         return self.sink.wait_chunks(chunks, None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    def wait_tensor(self, name: str, timeout: float | None = None) -> torch.Tensor:
-        """Tensor ``name`` as a view into the device buffer, once all of its bytes are there."""
+    def _entry(self, name: str) -> dict:
         t = self.index.get(name)
         if t is None:
             near = difflib.get_close_matches(name, self.index, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise TensorNotFound(f"no tensor {name!r} in model {self.manifest.model_id[:16]} "
                                  f"({len(self.index)} tensors){hint}")
+        return t
+
+    def place(self, name: str) -> torch.Tensor:
+        """Tensor ``name``'s place in the device buffer, now: a view whose bytes are valid once
+        ``wait_tensor(name)`` returned (an unaligned tensor, which cannot be a view, raises P2PError)."""
+        t = self._entry(name)
+        if t["offset"] % torch_dtype(t["dtype"]).itemsize:
+            raise P2PError(f"tensor {name!r} starts at an unaligned offset: it has no place to view before it "
+                           f"arrives (use wait_tensor, or p2pw pack the checkpoint)")
+        return self._view(t)
+
+    def wait_tensor(self, name: str, timeout: float | None = None) -> torch.Tensor:
+        """Tensor ``name`` as a view into the device buffer, once all of its bytes are there."""
+        t = self._entry(name)
         chunks = self._chunks(t)
         if not self.wait_chunks(chunks, timeout):
             have = int(self.store.have[chunks.start:chunks.stop].sum())
