@@ -114,11 +114,9 @@ def run_demo(peers: int = 4, size_mb: float = 256, workdir: str | None = None, c
             all_ok &= problem is None
             print(f"peer{k + 1:<3}{r['rank']:>5}{','.join(map(str, r['parents'])):>8}{r['seconds']:>9.2f}"
                   f"{r['bytes'] / r['seconds'] / 1e6:>9.1f}  {'verified' if problem is None else problem}")
-        tree: dict[int, list[int]] = {}
-        for rank, m in sorted(seed_info["peers"].items(), key=lambda kv: int(kv[0])):
-            for p in m["parents"]:
-                tree.setdefault(p, []).append(int(rank))
-        print("\ntree:  " + "; ".join(f"{p} -> {', '.join(map(str, c))}" for p, c in sorted(tree.items())))
+        print()
+        for stripe, tree in enumerate(_trees(seed_info["peers"])):
+            print(f"stripe {stripe}:  " + "; ".join(f"{p} -> {', '.join(map(str, c))}" for p, c in sorted(tree.items())))
         print(f"seeder read {seed_info['bytes_read'] / 2**20:.1f} MiB from storage for a "
               f"{seed_info['total_size'] / 2**20:.1f} MiB model ({seed_info['bytes_read'] / seed_info['total_size']:.2f}x), "
               f"sent {seed_info['bytes_sent'] / 2**20:.1f} MiB; peers forwarded the rest")
@@ -135,3 +133,14 @@ def run_demo(peers: int = 4, size_mb: float = 256, workdir: str | None = None, c
                 p.kill()
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _trees(peers: dict) -> list[dict[int, list[int]]]:
+    """Per stripe: parent rank -> the ranks it feeds by plan, from the seeder's report."""
+    trees: list[dict[int, list[int]]] = []
+    for rank, m in sorted(peers.items(), key=lambda kv: int(kv[0])):
+        for stripe, p in enumerate(m["parents"]):
+            while len(trees) <= stripe:
+                trees.append({})
+            trees[stripe].setdefault(p, []).append(int(rank))
+    return trees
