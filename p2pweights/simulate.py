@@ -227,132 +227,138 @@ def _depths(parent_col):
 
 def _run(table, stripes, nodes, size, chunk, rate, latency, window):
     """One discrete-event run; returns (completion time per peer, seeder bytes sent)."""
-    n_chunks = math.ceil(size / chunk)
-    last_size = size - (n_chunks - 1) * chunk
-    csize = lambda i: last_size if i == n_chunks - 1 else chunk  # noqa: E731
+    return _ChunkModel(table, stripes, nodes, size, chunk, rate, latency, window).run()
 
-    # connections: one per (child, stripe), as the node opens one DEALER per stripe parent
-    conn_parent, conn_child, conn_want = [], [], []
-    for c in range(1, nodes + 1):
-        for s in range(min(stripes, n_chunks)):
-            conn_parent.append(table[s][c])
-            conn_child.append(c)
-            conn_want.append(range(s, n_chunks, stripes))
-    n_conn = len(conn_parent)
-    next_req = [0] * n_conn          # index into conn_want of the next chunk to ask for
-    queue = [[] for _ in range(n_conn)]   # FIFO of chunks to send (list used with a head index)
-    qhead = [0] * n_conn
 
-    hosts = nodes + 1
-    held = [bytearray(n_chunks) for _ in range(hosts)]
-    held[0] = bytearray(b"\x01" * n_chunks)
-    count = [0] * hosts
-    done = np.zeros(nodes, dtype=float)
-    parked = [dict() for _ in range(hosts)]   # host -> {chunk: [conn, ...]}
-    # per-host processor sharing: virtual clock V (bytes each active conn got), heap of heads
-    V = [0.0] * hosts
-    vt = [0.0] * hosts        # time V was last advanced
-    active = [0] * hosts
-    ps = [[] for _ in range(hosts)]   # (finish_virtual, conn, chunk)
-    ver = [0] * hosts
-    sent0 = [0.0]
-    events = []               # (time, seq, kind, a, b)  kind 0: host completion, 1: request arrival, 2: delivery
-    seq = [0]
+class _ChunkModel:
+    """The discrete-event model of one broadcast: one connection per (child, stripe), as the node
+    opens one link per planned source; per-host processor sharing of the uplink."""
 
-    def push(t, kind, a, b=0):
-        seq[0] += 1
-        heapq.heappush(events, (t, seq[0], kind, a, b))
+    def __init__(self, table, stripes, nodes, size, chunk, rate, latency, window):
+        self.n_chunks = n_chunks = math.ceil(size / chunk)
+        self.chunk, self.last_size = chunk, size - (n_chunks - 1) * chunk
+        self.nodes, self.latency, self.window = nodes, latency, window
+        self.conn_parent, self.conn_child, self.conn_want = [], [], []
+        for c in range(1, nodes + 1):
+            for s in range(min(stripes, n_chunks)):
+                self.conn_parent.append(table[s][c])
+                self.conn_child.append(c)
+                self.conn_want.append(range(s, n_chunks, stripes))
+        n_conn = len(self.conn_parent)
+        self.next_req = [0] * n_conn          # index into conn_want of the next chunk to ask for
+        self.queue = [[] for _ in range(n_conn)]   # FIFO of chunks to send (list used with a head index)
+        self.qhead = [0] * n_conn
+        hosts = nodes + 1
+        self.held = [bytearray(n_chunks) for _ in range(hosts)]
+        self.held[0] = bytearray(b"\x01" * n_chunks)
+        self.count = [0] * hosts
+        self.done = np.zeros(nodes, dtype=float)
+        self.parked = [dict() for _ in range(hosts)]   # host -> {chunk: [conn, ...]}
+        # per-host processor sharing: virtual clock V (bytes each active conn got), heap of heads
+        self.V = [0.0] * hosts
+        self.vt = [0.0] * hosts        # time V was last advanced
+        self.active = [0] * hosts
+        self.ps = [[] for _ in range(hosts)]   # (finish_virtual, conn, chunk)
+        self.ver = [0] * hosts
+        self.sent0 = 0.0
+        self.events = []               # (time, seq, kind, a, b)  kind 0: host completion, 1: request, 2: delivery
+        self.seq = 0
+        self.rates = np.broadcast_to(np.asarray(rate, dtype=float), (hosts,)).tolist()
 
-    rates = np.broadcast_to(np.asarray(rate, dtype=float), (nodes + 1,)).tolist()
+    def csize(self, i: int) -> int:
+        return self.last_size if i == self.n_chunks - 1 else self.chunk
 
-    def advance(h, t):
-        if active[h]:
-            V[h] += (t - vt[h]) * rates[h] / active[h]
-        vt[h] = t
+    def push(self, t, kind, a, b=0):
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, a, b))
 
-    def reschedule(h, t):
-        ver[h] += 1
-        if ps[h]:
-            push(t + (ps[h][0][0] - V[h]) * active[h] / rates[h], 0, h, ver[h])
+    def advance(self, h, t):
+        if self.active[h]:
+            self.V[h] += (t - self.vt[h]) * self.rates[h] / self.active[h]
+        self.vt[h] = t
 
-    def enqueue(ci, i, t):
-        q = queue[ci]
+    def reschedule(self, h, t):
+        self.ver[h] += 1
+        if self.ps[h]:
+            self.push(t + (self.ps[h][0][0] - self.V[h]) * self.active[h] / self.rates[h], 0, h, self.ver[h])
+
+    def enqueue(self, ci, i, t):
+        q = self.queue[ci]
         q.append(i)
-        if len(q) - qhead[ci] == 1:       # connection was idle: it joins the sharing
-            h = conn_parent[ci]
-            advance(h, t)
-            heapq.heappush(ps[h], (V[h] + csize(i), ci, i))
-            active[h] += 1
-            reschedule(h, t)
+        if len(q) - self.qhead[ci] == 1:       # connection was idle: it joins the sharing
+            h = self.conn_parent[ci]
+            self.advance(h, t)
+            heapq.heappush(self.ps[h], (self.V[h] + self.csize(i), ci, i))
+            self.active[h] += 1
+            self.reschedule(h, t)
 
-    def request(ci, t):
+    def request(self, ci, t):
         """Child of ``ci`` asks for its next chunk; arrives at the parent after ``latency``."""
-        k = next_req[ci]
-        want = conn_want[ci]
+        k = self.next_req[ci]
+        want = self.conn_want[ci]
         if k >= len(want):
             return
-        next_req[ci] = k + 1
-        if latency:
-            push(t + latency, 1, ci, want[k])
+        self.next_req[ci] = k + 1
+        if self.latency:
+            self.push(t + self.latency, 1, ci, want[k])
         else:
-            arrive_request(ci, want[k], t)
+            self.arrive_request(ci, want[k], t)
 
-    def arrive_request(ci, i, t):
-        p = conn_parent[ci]
-        if held[p][i]:
-            enqueue(ci, i, t)
+    def arrive_request(self, ci, i, t):
+        p = self.conn_parent[ci]
+        if self.held[p][i]:
+            self.enqueue(ci, i, t)
         else:
-            parked[p].setdefault(i, []).append(ci)
+            self.parked[p].setdefault(i, []).append(ci)
 
-    def deliver(ci, i, t):
-        c = conn_child[ci]
-        held[c][i] = 1
-        count[c] += 1
-        if count[c] == n_chunks:
-            done[c - 1] = t
-        request(ci, t)
-        waiting = parked[c].pop(i, None)
-        if waiting:
-            for cj in waiting:
-                enqueue(cj, i, t)
+    def deliver(self, ci, i, t):
+        c = self.conn_child[ci]
+        self.held[c][i] = 1
+        self.count[c] += 1
+        if self.count[c] == self.n_chunks:
+            self.done[c - 1] = t
+        self.request(ci, t)
+        for cj in self.parked[c].pop(i, ()):
+            self.enqueue(cj, i, t)
 
-    for ci in range(n_conn):
-        for _ in range(window):
-            request(ci, 0.0)
+    def sent(self, h, t):
+        """Host ``h`` finished sending the chunk at the head of its sharing."""
+        self.advance(h, t)
+        fv, ci, i = heapq.heappop(self.ps[h])
+        self.V[h] = fv
+        if h == 0:
+            self.sent0 += self.csize(i)
+        self.qhead[ci] += 1
+        q = self.queue[ci]
+        if self.qhead[ci] < len(q):
+            j = q[self.qhead[ci]]
+            heapq.heappush(self.ps[h], (self.V[h] + self.csize(j), ci, j))
+        else:
+            self.active[h] -= 1
+            self.queue[ci] = []
+            self.qhead[ci] = 0
+        self.reschedule(h, t)
+        if self.latency:
+            self.push(t + self.latency, 2, ci, i)
+        else:
+            self.deliver(ci, i, t)
 
-    while events:
-        t, _, kind, a, b = heapq.heappop(events)
-        if kind == 0:
-            h = a
-            if b != ver[h]:
-                continue
-            advance(h, t)
-            fv, ci, i = heapq.heappop(ps[h])
-            V[h] = fv
-            if h == 0:
-                sent0[0] += csize(i)
-            qhead[ci] += 1
-            q = queue[ci]
-            if qhead[ci] < len(q):
-                j = q[qhead[ci]]
-                heapq.heappush(ps[h], (V[h] + csize(j), ci, j))
+    def run(self):
+        for ci in range(len(self.conn_parent)):
+            for _ in range(self.window):
+                self.request(ci, 0.0)
+        while self.events:
+            t, _, kind, a, b = heapq.heappop(self.events)
+            if kind == 0:
+                if b == self.ver[a]:
+                    self.sent(a, t)
+            elif kind == 1:
+                self.arrive_request(a, b, t)
             else:
-                active[h] -= 1
-                queue[ci] = []
-                qhead[ci] = 0
-            reschedule(h, t)
-            if latency:
-                push(t + latency, 2, ci, i)
-            else:
-                deliver(ci, i, t)
-        elif kind == 1:
-            arrive_request(a, b, t)
-        else:
-            deliver(a, b, t)
-
-    if count[1:] and min(count[1:]) < n_chunks:   # a rule that leaves someone unfed
-        raise RuntimeError("simulation stalled: some peer never got every chunk")
-    return done, sent0[0]
+                self.deliver(a, b, t)
+        if self.count[1:] and min(self.count[1:]) < self.n_chunks:   # a rule that leaves someone unfed
+            raise RuntimeError("simulation stalled: some peer never got every chunk")
+        return self.done, self.sent0
 
 
 # ----- command line ----------------------------------------------------------

@@ -149,3 +149,37 @@ def test_cli(capsys):
     rc = sim.main(["--nodes", "4", "--size", "lots", "--uplink", "400Mbit"])
     assert rc == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_forest_plan_sends_one_copy_from_the_seeder_and_stays_near_the_floor():
+    r = sim.simulate(8, 256 << 20, 50e6, 1 << 20, "forest:2")
+    assert r.seeder_tx_bytes == 256 << 20
+    assert r.ratio < 1.1
+
+
+def test_slow_hosts_cost_only_their_share_of_the_uplinks():
+    from p2pweights.simulate import slow_uplinks
+
+    even = sim.simulate(16, 256 << 20, 50e6, 1 << 20, "forest:2")
+    ups = slow_uplinks(16, 50e6, 2 / 16, 0.25)
+    assert sorted(ups)[:2] == [12.5e6, 12.5e6]
+    slow = sim.simulate(16, 256 << 20, 50e6, 1 << 20, "forest:2", uplinks=ups)
+    # the fluid bound: 15 copies over the peers' uplinks (14 full, 2 at a quarter)
+    assert slow.time_last >= even.time_last
+    assert slow.ratio < even.ratio * 1.15
+
+
+def test_a_killed_peer_costs_the_rest_of_the_model_over_the_re_placed_plan():
+    calm = sim.simulate(8, 256 << 20, 50e6, 1 << 20, "forest:2")
+    hit = sim.simulate(8, 256 << 20, 50e6, 1 << 20, "forest:2", failures=[(1, 1 / 3)])
+    assert np.isnan(hit.time_per_peer[0]) and not np.isnan(hit.time_per_peer[1:]).any()
+    assert calm.time_last <= hit.time_last < 1.3 * calm.time_last
+
+
+def test_simulate_cli_takes_slow_hosts_and_kills(capsys):
+    from p2pweights.simulate import main
+
+    assert main(["--nodes", "16", "--size", "64MiB", "--uplink", "400Mbit", "--slow", "0.125:0.25",
+                 "--kill", "3@0.5"]) == 0
+    assert "ratio" in capsys.readouterr().out
+    assert main(["--nodes", "4", "--size", "64MiB", "--uplink", "400Mbit", "--uplinks", "1Gbit,2Gbit"]) == 2
