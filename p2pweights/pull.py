@@ -225,7 +225,7 @@ class PullScheduler:
             mask = orphaned & lk.holds if mask is None else mask | (orphaned & lk.holds)
             self._ask(lk, self._pick(lk, mask, lk.free(), park=PARK_AHEAD), out)
         lagging &= ~orphaned
-        if lagging.any():  # 3b. a stripe whose planned source lags: partners help, a few chunks each
+        if lagging.any():  # 3. a stripe whose planned source lags: partners help, a few chunks each
             budget = HELP_WINDOW * max(1, len(set(self.plan))) - sum(
                 1 for lk in self.links.values() for i in lk.outstanding if i in lk.helping)
             for lk in sorted(ready, key=lambda x: -x.rate):
@@ -280,11 +280,6 @@ class PullScheduler:
         if not stripes:
             return None
         return self._wanted() & np.isin(self.stripe_of, stripes)
-
-    def _planned_open(self, rank: int) -> bool:
-        """Whether planned link ``rank`` still has planned work it could be asked for."""
-        mask = self._planned_mask(rank)
-        return mask is not None and bool(mask.any())
 
     def _typical_rate(self) -> float:
         rates = [lk.rate for lk in self.links.values() if lk.rate > 0]

@@ -4,10 +4,8 @@ Real processes on loopback with opt-in fault injection (P2PW_FAULTS) to make
 one host slow; assertions are on bytes, counters, log lines and who finished,
 never on time.
 """
-import json
 import os
 import signal
-import time
 
 import pytest
 
@@ -71,25 +69,26 @@ def test_seeder_killed_for_good_peers_finish_what_others_hold_the_rest_give_up(p
     seeder, info = procs.seeder(model, "--chunk-size", "64KiB")
     first = procs.join(info["port"], tmp_path / "a", "--stay", "--report", tmp_path / "a.json")
     first.wait_line("staying to serve")
-    paced = {"P2PW_FAULTS": "delay_recv=20ms"}
-    late = [procs.join(info["port"], tmp_path / f"b{k}", "--give-up-after", "5", "--parent-timeout", "2",
-                       env=paced) for k in range(2)]
-    wait_fraction(tmp_path / "b0", info["total_size"], 0.1, late[0])
-    os.kill(seeder.pid, signal.SIGKILL)
+    late = joins_then_seeder_killed(procs, tmp_path, seeder, info, "b", give_up=5, pace="20ms")
     for k, p in enumerate(late):
         assert p.wait(120) == 0, p.output()
         assert same_tree(model, tmp_path / f"b{k}") == []
 
     # a second broadcast whose seeder dies before any peer has a whole copy
     seeder2, info2 = procs.seeder(model, "--chunk-size", "64KiB", "--port", "0")
-    slow = {"P2PW_FAULTS": "delay_recv=30ms"}
-    lonely = [procs.join(info2["port"], tmp_path / f"c{k}", "--give-up-after", "4", "--parent-timeout", "2",
-                         env=slow) for k in range(2)]
-    wait_fraction(tmp_path / "c0", info2["total_size"], 0.1, lonely[0])
-    os.kill(seeder2.pid, signal.SIGKILL)
+    lonely = joins_then_seeder_killed(procs, tmp_path, seeder2, info2, "c", give_up=4, pace="30ms")
     for k, p in enumerate(lonely):
         assert p.wait(120) == 1, p.output()
         err = p.output()
         assert "no chunk arrived for 4 s" in err and "join again to resume" in err, err
         assert err.count("p2pw: error:") == 1, err
         assert on_disk(tmp_path / f"c{k}") > 0  # verified chunks are kept for a resume
+
+
+def joins_then_seeder_killed(procs, tmp_path, seeder, info, name, give_up, pace):
+    """Two paced joins into tmp_path/NAME0, NAME1; the seeder is killed once NAME0 holds 10 %."""
+    joins = [procs.join(info["port"], tmp_path / f"{name}{k}", "--give-up-after", str(give_up),
+                        "--parent-timeout", "2", env={"P2PW_FAULTS": f"delay_recv={pace}"}) for k in range(2)]
+    wait_fraction(tmp_path / f"{name}0", info["total_size"], 0.1, joins[0])
+    os.kill(seeder.pid, signal.SIGKILL)
+    return joins
