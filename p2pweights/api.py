@@ -7,6 +7,7 @@ never hidden: a failed download raises ``P2PError`` from every wait.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -135,8 +136,14 @@ class Seeder:
     def stats(self):
         return self.node.stats
 
+    @property
+    def fleet(self):
+        """The latest ``fleet.Fleet`` snapshot the loop published (every member: rank, sources, progress, rate,
+        state); the only view of the membership other threads may read."""
+        return self.node.fleet
+
     def peers_done(self) -> int:
-        return sum(m.done for m in list(self.tracker.members.values()))
+        return self.node.fleet.done
 
     def wait_peers(self, n: int, timeout: float | None = None) -> bool:
         """Block until ``n`` peers have reported done (False on timeout)."""
@@ -287,6 +294,59 @@ class Download:
 
     def __exit__(self, *exc):
         self.close()
+
+
+MAX_STATUS_BYTES = 8 << 20  # a STATUS_REPLY larger than this is refused
+
+
+def status(addr: str, *, key: keys.FleetKey | None = None, timeout: float = 5.0) -> dict:
+    """The fleet as the tracker at ``addr`` (or any peer: it redirects) sees it, slowest first:
+    ``{"model_id", "n_chunks", "total_size", "count", "peers": [{"rank", "addr", "sources", "progress",
+    "rate", "state", ...}]}``.  Needs no join; ``key`` when the fleet's links are keyed."""
+    host, port = parse_addr(addr)
+    addr = f"{host}:{port}"
+    ctx = zmq.Context()
+    try:
+        for _ in range(MAX_REDIRECTS):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_STATUS_BYTES)
+            keys.secure_client(sock, key)
+            watch = keys.LinkWatch(sock, addr, key)
+            sock.connect(tcp(addr))
+            sock.send(protocol.control(Msg.STATUS))
+            try:
+                answered = watch.wait(timeout)
+            except keys.LinkRefused as e:
+                raise P2PError(str(e)) from None
+            finally:
+                watch.close()
+            if not answered:
+                raise P2PError(f"no answer from {addr} within {timeout:g} s: is a p2pw seeder or peer running "
+                               f"there (with --key if the fleet is keyed)?")
+            try:
+                event = protocol.decode(sock.recv_multipart())
+            except ProtocolError as e:
+                raise P2PError(f"{addr} is not a compatible p2pw node: {e}") from None
+            finally:
+                sock.close(0)
+            if event.type == Msg.REDIRECT and event.fields["tracker"]:
+                addr = event.fields["tracker"]
+                continue
+            if event.type == Msg.ERROR:
+                raise P2PError(f"{addr} refused the status request: {event.fields['message']}")
+            if event.type != Msg.STATUS_REPLY:
+                raise P2PError(f"{addr} answered STATUS with {event.type.name}")
+            try:
+                doc = json.loads(bytes(event.payload))
+            except ValueError:
+                raise P2PError(f"{addr} sent a status reply that is not JSON") from None
+            if not isinstance(doc, dict) or not isinstance(doc.get("peers"), list):
+                raise P2PError(f"{addr} sent a malformed status reply")
+            return doc
+        raise P2PError(f"too many redirects asking {addr} for the status")
+    finally:
+        ctx.destroy(0)
 
 
 def _handshake(ctx, addr: str, hello: dict, model_id: str | None, timeout: float, key=None):

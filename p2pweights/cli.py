@@ -1,4 +1,4 @@
-"""CLI: ``p2pw pack | keygen | seed | join | manifest | verify | demo | simulate``.
+"""CLI: ``p2pw pack | keygen | seed | join | status | manifest | verify | demo | simulate``.
 
 Thin: every command is a call into the library plus printing.  Errors a user
 can cause end as one ``p2pw: error: ...`` line and exit status 1, never a
@@ -31,42 +31,51 @@ def size(text: str) -> int:
 
 
 def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f}"
+    from .ops import human as _human
+
+    return _human(n)
 
 
-class ProgressBar:
-    """A one-line progress bar on stderr, redrawn a few times a second (only on a terminal)."""
+events = logging.getLogger("p2pw.events")  # what the CLI tells its user: stdout lines, or JSON log lines
+LOG = {"format": "text"}
+context = None  # ops.LogContext of this process, once logging is configured
 
-    def __init__(self, download, stream=sys.stderr):
-        self.download, self.stream = download, stream
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        if stream.isatty():
-            self.thread.start()
 
-    def _run(self):
-        while not self.stop.wait(0.2):
-            self.draw()
+def say(event: str, text: str, **fields) -> None:
+    """One line for the user: printed on stdout, or with --log-format json one JSON log line."""
+    if LOG["format"] == "json":
+        events.info(text.removeprefix("p2pw: "), extra={"event": event, **fields})
+    else:
+        print(text, flush=True)
 
-    def draw(self):
-        p = self.download.progress
-        frac = p["bytes"] / p["total"] if p["total"] else 1.0
-        eta = (p["total"] - p["bytes"]) / p["rate"] if p["rate"] > 0 else float("inf")
-        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-        self.stream.write(f"\r[{bar}] {human(p['bytes'])}/{human(p['total'])} "
-                          f"{p['rate'] / 1e6:7.1f} MB/s ETA {eta:5.1f}s ")
-        self.stream.flush()
 
-    def close(self):
-        if self.thread.is_alive():
-            self.stop.set()
-            self.thread.join()
-            self.draw()
-            self.stream.write("\n")
+def start_ops(args, starting: str):
+    """The --http server, listening before anything else happens (None without --http)."""
+    if not getattr(args, "http", None):
+        return None
+    from .ops import OpsServer
+
+    server = OpsServer(args.http)
+    server.readiness.starting = starting
+    events.info("serving /healthz /readyz /metrics on %s", args.http,
+                extra={"event": "http", "addr": args.http, "port": server.port})
+    return server
+
+
+def bind(server, handle) -> None:
+    """The node exists: probes, metrics and log lines read it from now on."""
+    if server is not None:
+        server.bind(handle)
+    if context is not None:
+        context.handle = handle
+
+
+def error(message: str) -> None:
+    """The one error line: ``p2pw: error: ...`` on stderr (a JSON log line with --log-format json)."""
+    if LOG["format"] == "json":
+        events.error(message, extra={"event": "error"})
+    else:
+        print(f"p2pw: error: {message}", file=sys.stderr)
 
 
 def write_json(path: str | None, doc: dict) -> None:
@@ -91,6 +100,7 @@ def cmd_seed(args) -> int:
 
     from .api import DEFAULT_PLAN
 
+    http = start_ops(args, starting="loading")
     key = load_key(args.key)
     args.topology = args.topology or DEFAULT_PLAN
     if args.topology.strip().lower() == "auto" and args.expect:
@@ -98,34 +108,38 @@ def cmd_seed(args) -> int:
     s = seed(args.path, port=args.port, host=args.host, chunk_size=args.chunk_size, topology=args.topology,
              advertise=args.advertise, window=args.window, hash=args.hash, key=key, max_peers=args.max_peers,
              manifest=args.manifest, s3_concurrency=args.s3_concurrency, s3_range_size=args.s3_range_size)
+    bind(http, s)
     m = s.manifest
-    print(f"p2pw: serving {args.path}: {human(m.total_size)} in {m.n_chunks} chunks of {human(m.chunk_size)}, "
-          f"{len(m.files)} files, {len(m.tensors)} tensors " + (
-              "(manifest known: reading chunks from storage as peers ask)" if s.source is not None
-              else f"(read {human(s.bytes_read)} from storage in {s.scan_seconds:.2f} s)"), flush=True)
-    print(f"p2pw: model id {s.model_id}")
+    say("serving", f"p2pw: serving {args.path}: {human(m.total_size)} in {m.n_chunks} chunks of "
+        f"{human(m.chunk_size)}, {len(m.files)} files, {len(m.tensors)} tensors " + (
+            "(manifest known: reading chunks from storage as peers ask)" if s.source is not None
+            else f"(read {human(s.bytes_read)} from storage in {s.scan_seconds:.2f} s)"),
+        path=args.path, total_size=m.total_size, n_chunks=m.n_chunks, port=s.port)
+    say("model_id", f"p2pw: model id {s.model_id}")
     if key is None:
-        print("p2pw: WARNING: links are NOT encrypted or authenticated: anyone who can reach this port can fetch "
-              "the model (use --key DIR from p2pw keygen)", flush=True)
+        say("unencrypted", "p2pw: WARNING: links are NOT encrypted or authenticated: anyone who can reach this "
+            "port can fetch the model (use --key DIR from p2pw keygen)")
     else:
-        print(f"p2pw: links are CURVE-encrypted; only holders of the fleet key in {key.dir} can join", flush=True)
-    print(f"p2pw: join with: {join_command(args, s.port, s.model_id, key)}", flush=True)
+        say("encrypted", f"p2pw: links are CURVE-encrypted; only holders of the fleet key in {key.dir} can join")
+    command = join_command(args, s.port, s.model_id, key)
+    say("join_command", f"p2pw: join with: {command}", command=command)
     write_json(args.ready, {"port": s.port, "model_id": s.model_id, "total_size": m.total_size})
-    try:
-        serve_until_signalled(lambda: bool(args.exit_after) and s.peers_done() >= args.exit_after and all(
-            mem.left for mem in s.tracker.members.values()))
+    try:  # the fleet snapshot the loop publishes: never the tracker's live member table from this thread
+        serve_until_signalled(lambda: bool(args.exit_after) and s.fleet.done >= args.exit_after
+                              and s.fleet.all_left)
     finally:
         s.close()
+    fleet = s.fleet  # the loop's last snapshot, taken as it ended
     report = {"model_id": s.model_id, "total_size": m.total_size, "bytes_read": s.bytes_read,
               "bytes_sent": s.stats.bytes_sent, "chunks_sent": s.stats.chunks_sent, "malformed": s.stats.malformed,
-              "peers": {r: {"parents": mem.parents, "done": mem.done, "peer_id": mem.peer_id}
-                        for r, mem in s.tracker.members.items()}}
+              "peers": {p.rank: {"parents": list(p.sources), "done": p.done, "peer_id": p.peer_id}
+                        for p in sorted(fleet.peers, key=lambda p: p.rank)}}
     if s.s3 is not None:
         report["s3_retries"] = s.s3.retries
     write_json(args.report, report)
-    print(f"p2pw: seeder done: read {human(s.bytes_read)} from storage for a {human(m.total_size)} model "
-          f"({s.bytes_read / max(m.total_size, 1):.2f}x), sent {human(s.stats.bytes_sent)} to "
-          f"{len(s.tracker.members)} peers")
+    say("seeder_done", f"p2pw: seeder done: read {human(s.bytes_read)} from storage for a {human(m.total_size)} "
+        f"model ({s.bytes_read / max(m.total_size, 1):.2f}x), sent {human(s.stats.bytes_sent)} to "
+        f"{len(fleet.peers)} peers", bytes_read=s.bytes_read, bytes_sent=s.stats.bytes_sent, peers=len(fleet.peers))
     return 0
 
 
@@ -156,19 +170,22 @@ def cmd_keygen(args) -> int:
     from .keys import keygen
 
     key = keygen(args.dir)
-    print(f"p2pw: wrote the fleet key pair to {key.dir} (fleet.key public, fleet.key_secret secret): "
+    say("keygen", f"p2pw: wrote the fleet key pair to {key.dir} (fleet.key public, fleet.key_secret secret): "
           f"copy the directory to every host and pass --key {key.dir} to p2pw seed and p2pw join")
     return 0
 
 
 def cmd_join(args) -> int:
     from .api import join
+    from .ops import Progress
 
+    http = start_ops(args, starting="connecting")
     dl = join(args.parent, out=args.out, port=args.port, host=args.host, advertise=args.advertise,
               model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device,
               parent_timeout=args.parent_timeout, give_up_after=args.give_up_after,
               key=load_key(args.key))
-    bar = None if args.quiet else ProgressBar(dl)
+    bind(http, dl)
+    bar = None if args.quiet else Progress(dl, every=args.progress_every)
     try:
         dl.wait()
     finally:
@@ -177,13 +194,14 @@ def cmd_join(args) -> int:
     p, st = dl.progress, dl.stats
     secs = dl.seconds
     parents = ", ".join(f"rank {x['rank']}" for x in dl.parents)
-    print(f"p2pw: done {human(p['total'])} in {secs:.2f} s ({p['total'] / secs / 1e9:.3f} GB/s), "
-          f"{p['n_chunks']} chunks, {st.refetched} re-fetched; rank {dl.rank} under {parents}", flush=True)
+    say("done", f"p2pw: done {human(p['total'])} in {secs:.2f} s ({p['total'] / secs / 1e9:.3f} GB/s), "
+        f"{p['n_chunks']} chunks, {st.refetched} re-fetched; rank {dl.rank} under {parents}",
+        bytes=p["total"], seconds=round(secs, 3), refetched=st.refetched, received_bytes=st.bytes_received)
     if args.device:
         from .device import format_report
 
         dl.state_dict()
-        print(format_report(dl.stage_report()), flush=True)
+        say("device", format_report(dl.stage_report()), report=dl.stage_report())
     wall = time.time() - time.monotonic()  # wall clock = monotonic + this, for comparing peer processes
     write_json(args.report, {"rank": dl.rank, "parents": [x["rank"] for x in dl.parents], "seconds": secs,
                              "bytes": p["total"], "refetched": st.refetched, "bad_chunks": st.bad_chunks,
@@ -196,14 +214,40 @@ def cmd_join(args) -> int:
                              "done_at": wall + dl.started + secs,
                              "first_chunk_at": wall + (dl.store.first_at or dl.started)})
     if args.stay:
-        print("p2pw: staying to serve others (Ctrl-C to stop)", flush=True)
+        say("staying", "p2pw: staying to serve others (Ctrl-C to stop)")
         serve_until_signalled(lambda: dl.node.fatal is not None, every=0.2)
         dl.close()
         if dl.node.fatal:
-            print(f"p2pw: error: {dl.node.fatal}", file=sys.stderr)
+            error(dl.node.fatal)
             return 1
     else:
         dl.close(linger=True)
+    return 0
+
+
+def cmd_status(args) -> int:
+    from .api import status
+
+    doc = status(args.addr, key=load_key(args.key), timeout=args.timeout)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    peers = doc["peers"]
+    done = sum(float(p.get("progress", 0)) >= 1.0 for p in peers)
+    print(f"p2pw: model {doc.get('model_id')}: {doc.get('count', len(peers))} peers ({done} done), "
+          f"{human(doc.get('total_size') or 0)}; slowest first")
+    rows = [("RANK", "ADDR", "SOURCES", "PROGRESS", "RATE", "STATE")]
+    for p in peers:
+        sources = ",".join(str(r) for r in p.get("sources", [])) or "-"
+        state = p.get("state", "?") + (" (demoted)" if p.get("demoted") else "")
+        rows.append((str(p.get("rank")), str(p.get("addr")), sources, f"{100 * float(p.get('progress', 0)):.1f}%",
+                     f"{float(p.get('rate', 0)) / 1e6:.1f} MB/s", state))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.rjust(w) if i in (0, 3, 4) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+              .rstrip())
+    if doc.get("count", len(peers)) > len(peers):
+        print(f"p2pw: ... and {doc['count'] - len(peers)} more (the fastest) not listed")
     return 0
 
 
@@ -286,6 +330,8 @@ def parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="p2pw", description="Broadcast model weights to many hosts over a peer tree.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every peer event")
+    ap.add_argument("--log-format", choices=("text", "json"), default="text",
+                    help="json: one JSON object per log line (ts, level, event, model_id, rank, ...)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("seed", help="serve a checkpoint (file or directory) and run the tracker")
@@ -312,6 +358,7 @@ def parser() -> argparse.ArgumentParser:
                         "(sha256, blake2b, blake3) that also stops a peer forging chunks")
     s.add_argument("--max-peers", type=int, default=10_000, help="refuse joiners beyond this many peers")
     s3_flags(s)
+    _ops_flags(s)
     s.set_defaults(func=cmd_seed)
 
     j = sub.add_parser("join", help="attach this host to a broadcast and download the checkpoint")
@@ -334,7 +381,18 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     j.add_argument("--device", help="stream chunks into one buffer on this torch device (cpu, cuda:N) "
                                     "and print the stage report")
+    j.add_argument("--progress-every", type=float, default=10.0, metavar="S",
+                   help="seconds between progress lines when stderr is not a terminal (default 10)")
+    _ops_flags(j)
     j.set_defaults(func=cmd_join)
+
+    st = sub.add_parser("status", help="ask the tracker for the fleet: each peer's rank, address, sources, "
+                                       "progress, rate and state, the slowest first")
+    st.add_argument("addr", metavar="HOST:PORT", help="the seeder (or any peer: it points to the tracker)")
+    st.add_argument("--json", action="store_true", help="print the fleet as JSON")
+    st.add_argument("--key", metavar="DIR", help="fleet key directory, when the fleet's links are keyed")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    st.set_defaults(func=cmd_status)
 
     pk = sub.add_parser("pack", help="rewrite safetensors into the loading-optimised layout (or back)")
     pk.add_argument("src", help="safetensors file or directory (with --unpack: a packed directory)")
@@ -371,6 +429,14 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _ops_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--http", metavar="ADDR",
+                   help="serve /healthz, /readyz and /metrics (Prometheus) on ADDR, e.g. :9420 or 127.0.0.1:9420, "
+                        "from process start")
+    p.add_argument("--log-format", choices=("text", "json"), default=argparse.SUPPRESS,
+                   help="json: one JSON object per log line (ts, level, event, model_id, rank, ...)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from .errors import UserError
 
@@ -379,13 +445,18 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.command != "simulate" and rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "seed" else logging.WARNING,
-                        format="%(asctime)s p2pw %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    from .ops import LogContext, configure_logging
+
+    global context
+    context = LogContext()
+    LOG["format"] = args.log_format
+    configure_logging(args.log_format, logging.INFO if args.verbose or args.command == "seed" else logging.WARNING,
+                      context)
     try:
         return args.func(args, rest) if args.command == "simulate" else args.func(args)
     except (UserError, OSError) as e:  # OSError: a path, a port, a disk the user named
         msg = str(e) if not isinstance(e, OSError) or not e.strerror else f"{e.strerror}: {e.filename or ''}"
-        print(f"p2pw: error: {msg}", file=sys.stderr)
+        error(msg)
         return 1
     except KeyboardInterrupt:
         print("p2pw: interrupted", file=sys.stderr)

@@ -4,20 +4,24 @@ It turns a member's HELLO, DONE, LEAVE, BYE, ORPHAN and HEARTBEAT into calls
 on the ``Tracker`` and returns the messages to send (``(ident, frames)``
 pairs, taken with ``take``): WELCOME with the manifest and the joiner's plan,
 REPARENT to every member whose plan changed, LEAVE_OK / LEAVE_WAIT, ERROR.
-It also reviews the reported rates (``review``) and demotes slow hosts.  The
-node only routes frames to it and sends what it returns.
+It also reviews the reported rates (``review``) and demotes slow hosts, and
+publishes the fleet as an immutable ``fleet.Fleet`` (``publish``) that other
+threads read and STATUS is answered from.  The node only routes frames to it
+and sends what it returns.
 """
 from __future__ import annotations
 
 import logging
 
-from . import protocol
+from . import fleet, protocol
 from .protocol import MAX_NAME, Msg, ProtocolError
 from .tracker import TrackerError
 
 log = logging.getLogger("p2pw")
 
 REVIEW_INTERVAL = 1.0  # seconds between reviews of the reported rates
+SNAPSHOT_INTERVAL = 0.5  # seconds between fleet snapshots (sooner, at most every SNAPSHOT_MIN, on a change)
+SNAPSHOT_MIN = 0.1
 
 
 class TrackerEndpoint:
@@ -31,6 +35,9 @@ class TrackerEndpoint:
         self.members: dict[bytes, int] = {}  # ident -> rank
         self.out: list[tuple[bytes, list]] = []
         self.next_review = 0.0
+        self.fleet: fleet.Fleet = fleet.snapshot(tracker, manifest)  # read by other threads: replaced, never changed
+        self.fleet_frame: bytes | None = None  # the STATUS_REPLY payload of ``fleet``, encoded on first ask
+        self.changed, self.snapshot_at = False, clock()
 
     def take(self) -> list[tuple[bytes, list]]:
         out, self.out = self.out, []
@@ -65,6 +72,7 @@ class TrackerEndpoint:
             self._send(ident, protocol.control(Msg.ERROR, message=str(e), fatal=True))
             return False
         self.members[ident] = member.rank
+        self.changed = True
         log.info("peer %s joined as rank %d under %s", f["peer_id"], member.rank,
                  ", ".join(f"rank {p}" for p in member.parents))
         self._send(ident, protocol.control(
@@ -78,8 +86,11 @@ class TrackerEndpoint:
 
     def done(self, ident: bytes, f: dict) -> None:
         rank = self.members.get(ident)
-        if rank is not None:
-            self.tracker.done(rank)
+        if rank is not None and rank in self.tracker.members:
+            m = self.tracker.members[rank]
+            if not m.done:  # the mean rate of its download, for status
+                self.tracker.done(rank, seconds=max(self.tracker.clock() - m.joined, 1e-9))
+            self.changed = True
             log.info("peer rank %d is done", rank)
 
     def leave(self, ident: bytes, f: dict) -> None:
@@ -87,6 +98,7 @@ class TrackerEndpoint:
         if rank is None:
             raise ProtocolError("LEAVE from a connection that never joined")
         waiting = self.tracker.leave(rank)
+        self.changed = True
         self._send(ident, protocol.control(Msg.LEAVE_WAIT, waiting_for=waiting) if waiting
                    else protocol.control(Msg.LEAVE_OK))
         self._announce()
@@ -125,6 +137,22 @@ class TrackerEndpoint:
         have = f.get("have") if isinstance(f.get("have"), int) else None
         self.tracker.touch(rank, have=have, rates=rates)
 
+    def status(self, ident: bytes, f: dict) -> None:
+        """Anyone (no join needed) asks for the fleet: the latest snapshot, at most fleet.MAX_LISTED peers."""
+        if self.fleet_frame is None:
+            self.fleet_frame = self.fleet.encode()
+        self._send(ident, protocol.control(Msg.STATUS_REPLY, peers=len(self.fleet.peers),
+                                           shown=min(len(self.fleet.peers), fleet.MAX_LISTED)), self.fleet_frame)
+
+    def publish(self, now: float) -> fleet.Fleet | None:
+        """Take a new fleet snapshot if one is due (a change, or SNAPSHOT_INTERVAL); the loop's thread only."""
+        due = self.snapshot_at + (SNAPSHOT_MIN if self.changed else SNAPSHOT_INTERVAL)
+        if now < due:
+            return None
+        self.changed, self.snapshot_at = False, now
+        self.fleet, self.fleet_frame = fleet.snapshot(self.tracker, self.manifest), None
+        return self.fleet
+
     def review(self) -> None:
         """Every REVIEW_INTERVAL: demote hosts whose uplink delivers well below the fleet's."""
         now = self.clock()
@@ -142,6 +170,7 @@ class TrackerEndpoint:
         if rank not in self.tracker.members or self.tracker.members[rank].left:
             return
         moved = self.tracker.gone(rank)
+        self.changed = True
         log.info("peer rank %d %s%s", rank, why,
                  f"; re-placing {', '.join(f'rank {r}' for r, _ in moved)}" if moved else "")
         for r, _ in moved:
@@ -159,4 +188,4 @@ class TrackerEndpoint:
                                                partners=self.tracker.partner_addrs(m)))
 
     HANDLERS = {Msg.HELLO: hello, Msg.DONE: done, Msg.LEAVE: leave, Msg.BYE: bye, Msg.ORPHAN: orphan,
-                Msg.HEARTBEAT: heartbeat}
+                Msg.HEARTBEAT: heartbeat, Msg.STATUS: status}

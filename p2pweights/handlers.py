@@ -144,6 +144,7 @@ class Handlers:
         got = sock.recv_into(view)
         _discard_rest(sock)
         n.stats.chunks_received += 1
+        n.stats.bytes_received += got
         if n.faults is not None:
             n.faults.received()
         ok = got == len(view) and n.digest(view) == n.manifest.chunks[index]
@@ -230,7 +231,7 @@ class Handlers:
                     n.reader.want(index)
         elif kind == Msg.CANCEL:
             n.serve.cancel(ident, event.indices)
-        elif kind == Msg.HELLO and n.endpoint is None:
+        elif kind in (Msg.HELLO, Msg.STATUS) and n.endpoint is None:
             n.conns[ident].state = "new"
             n._send(ident, protocol.control(Msg.REDIRECT, tracker=n.tracker_addr))
         elif n.endpoint is not None and kind in n.endpoint.HANDLERS:

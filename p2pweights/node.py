@@ -52,6 +52,7 @@ class Stats:
     chunks_sent: int = 0
     bytes_sent: int = 0
     chunks_received: int = 0
+    bytes_received: int = 0  # chunk bytes received into the store (verified or not)
     bad_chunks: int = 0
     duplicates: int = 0
     malformed: int = 0
@@ -163,6 +164,11 @@ class Node:
         self.poller.register(socket, zmq.POLLIN)
 
     @property
+    def fleet(self):
+        """The latest ``fleet.Fleet`` snapshot (a seeder), safe to read from any thread; None on a peer."""
+        return self.endpoint.fleet if self.endpoint is not None else None
+
+    @property
     def tracker_link(self) -> zmq.Socket | None:
         return self.member.socket if self.member is not None else None
 
@@ -181,6 +187,8 @@ class Node:
             log.exception("node loop crashed")
             self._fail(f"internal error: {e!r}")
         finally:
+            if self.endpoint is not None:  # the last word on the fleet, for the seeder's report
+                self.endpoint.publish(float("inf"))
             self._close_sockets()
 
     def _flush(self) -> None:
@@ -222,6 +230,7 @@ class Node:
             self._heartbeat(now)
         if self.endpoint is not None:
             self.endpoint.review()
+            self.endpoint.publish(now)
         self.partners.watch(now)
         for rank, chunks in self.pull.stalled():
             self.stats.stalled += len(chunks)

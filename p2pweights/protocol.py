@@ -66,6 +66,8 @@ class Msg(IntEnum):
     ORPHAN = 16     # peer -> tracker: {rank, stripe, parent, reason, dead}; another parent in that stripe
     HAVE = 17       # partner -> peer: u32 indices it verified since the last HAVE
     CANCEL = 18     # peer -> partner: u32 indices no longer wanted (an endgame duplicate arrived)
+    STATUS = 19     # anyone -> tracker, on a fresh connection, no join needed: {}
+    STATUS_REPLY = 20  # tracker -> asker: {peers, shown} + fleet JSON frame (fleet.Fleet.to_doc), bounded
 
 
 # Required JSON fields of each control message and their types.
@@ -84,8 +86,10 @@ SCHEMA: dict[Msg, dict[str, type | tuple]] = {
     Msg.REPARENT: {"parents": list},
     Msg.BYE: {"rank": int},
     Msg.ORPHAN: {"rank": int, "stripe": int, "parent": int, "reason": str},
+    Msg.STATUS: {},
+    Msg.STATUS_REPLY: {"peers": int, "shown": int},
 }
-PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1, Msg.ATTACHED: 1}  # ATTACHED: the bitfield (packbits)
+PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1, Msg.ATTACHED: 1, Msg.STATUS_REPLY: 1}  # ATTACHED: the bitfield (packbits)
 INDEX_LISTS = (Msg.REQUEST, Msg.HAVE, Msg.CANCEL)  # bodies of u32 chunk indices
 
 
@@ -184,6 +188,7 @@ SERVER_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("new", Msg.HELLO): "member",
     ("new", Msg.ATTACH): "child",
     ("new", Msg.HEARTBEAT): "new",
+    ("new", Msg.STATUS): "new",
     ("member", Msg.HELLO): "member",
     ("member", Msg.DONE): "member",
     ("member", Msg.LEAVE): "member",

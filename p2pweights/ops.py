@@ -1,0 +1,339 @@
+"""Ops: what operators and machines see of a running node; it never changes node state.
+
+- ``OpsServer``: ``/healthz``, ``/readyz`` and ``/metrics`` over HTTP (stdlib
+  ``http.server`` in a daemon thread), listening from process start, before
+  the node exists; ``bind`` hands it the seeder or download once there is one.
+- ``Readiness``: the stage of a node (connecting, loading, ready) read from
+  its store, disk writer and device sink.
+- ``NodeCollector``: Prometheus metrics read from the node's own counters at
+  scrape time (no second bookkeeping in the hot path).
+- ``Progress``: a bar on a terminal, else a progress line every 10 s.
+- ``JsonFormatter``: one JSON object per log line (``--log-format json``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .errors import UserError
+
+log = logging.getLogger("p2pw")
+progress_log = logging.getLogger("p2pw.progress")  # INFO even when the rest logs only warnings
+
+PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
+DEFAULT_HTTP_PORT = 9420
+
+
+class OpsError(UserError, ValueError):
+    """A bad --http address, a port already taken, or prometheus_client missing."""
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def parse_http_addr(addr: str) -> tuple[str, int]:
+    """':9420' -> ('0.0.0.0', 9420); '127.0.0.1:9420' -> ('127.0.0.1', 9420); '[::1]:9420' too."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise OpsError(f"bad --http address {addr!r}: expected [HOST]:PORT, e.g. :{DEFAULT_HTTP_PORT} or "
+                       f"127.0.0.1:{DEFAULT_HTTP_PORT}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+# ----- readiness ---------------------------------------------------------------
+
+
+class Readiness:
+    """The stage of this process's node: what ``/readyz`` and ``p2pw_ready`` say."""
+
+    def __init__(self):
+        self.handle = None  # a Seeder or a Download, once it exists
+        self.starting = "connecting"  # the stage before there is a handle ("loading" on a seeder: hashing)
+
+    def bind(self, handle) -> None:
+        self.handle = handle
+
+    def alive(self) -> bool:
+        """The node's loop runs (or, before it exists, the process is still starting it)."""
+        h = self.handle
+        if h is None:
+            return True
+        thread = h.node.thread
+        return thread is not None and thread.is_alive()
+
+    def stage(self) -> dict:
+        """{"stage": "connecting" | "loading", "pct": ...} until the copy is complete, then {"stage": "ready"}."""
+        h = self.handle
+        if h is None:
+            return {"stage": self.starting, "pct": 0.0}
+        store = h.store
+        pct = round(100.0 * store.bytes / h.manifest.total_size, 1) if h.manifest.total_size else 100.0
+        if h.node.fatal:
+            return {"stage": "failed", "pct": pct, "error": h.node.fatal}
+        if getattr(h, "source", None) is not None:  # a seeder reading chunks from storage as peers ask
+            return {"stage": "ready"}
+        if not store.complete:
+            return {"stage": "loading", "pct": pct}
+        cache = getattr(h, "cache", None)
+        if cache is not None and not cache.finished.is_set():
+            return {"stage": "loading", "pct": pct, "waiting_for": "disk"}
+        loader = getattr(h, "loader", None)
+        if loader is not None:
+            landed = loader.sink.landed_at
+            on_device = int(len(landed) - _count_nan(landed))
+            if on_device < len(landed):
+                return {"stage": "loading", "pct": round(100.0 * on_device / len(landed), 1),
+                        "waiting_for": "device"}
+        return {"stage": "ready"}
+
+    def ready(self) -> bool:
+        return self.stage()["stage"] == "ready"
+
+
+def _count_nan(a) -> int:
+    import numpy as np
+
+    return int(np.isnan(a).sum())
+
+
+# ----- metrics -----------------------------------------------------------------
+
+
+class NodeCollector:
+    """Prometheus metrics of one node, read from its counters when scraped."""
+
+    def __init__(self, readiness: Readiness):
+        self.readiness = readiness
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        h = self.readiness.handle
+        model_id = h.model_id if h is not None else ""
+        info = GaugeMetricFamily("p2pw_build_info", "p2pweights version and the model this node carries",
+                                 labels=["version", "model_id"])
+        info.add_metric([_version(), model_id], 1)
+        yield info
+        yield GaugeMetricFamily("p2pw_ready", "1 once the copy is complete and verified (on disk, on the device "
+                                              "where asked), else 0", value=int(self.readiness.ready()))
+        if h is None:
+            return
+        st = h.node.stats
+        yield CounterMetricFamily("p2pw_received_bytes", "chunk bytes received from partners",
+                                  value=st.bytes_received)
+        yield CounterMetricFamily("p2pw_sent_bytes", "chunk bytes sent to partners", value=st.bytes_sent)
+        yield CounterMetricFamily("p2pw_chunks_verified", "chunks verified and held (hashed on arrival, on "
+                                                          "resume, or by the seeder's scan)", value=h.store.count)
+        rejected = CounterMetricFamily("p2pw_chunks_rejected", "chunks received and dropped", labels=["reason"])
+        rejected.add_metric(["hash"], st.bad_chunks)
+        rejected.add_metric(["duplicate"], st.duplicates)
+        yield rejected
+        yield CounterMetricFamily("p2pw_source_switches", "chunks taken from a partner other than the planned "
+                                                          "source", value=st.switches)
+        fleet = h.node.fleet
+        if fleet is not None:  # the seeder: storage and the tracker
+            yield CounterMetricFamily("p2pw_storage_read_bytes", "bytes read from storage", value=h.bytes_read)
+            yield GaugeMetricFamily("p2pw_peers", "peers in the fleet that have not left", value=fleet.live)
+        else:
+            yield GaugeMetricFamily("p2pw_download_seconds", "seconds from join to the last verified chunk "
+                                                             "(so far, while downloading)", value=h.seconds)
+
+
+def metrics_registry(readiness: Readiness):
+    try:
+        from prometheus_client import CollectorRegistry
+    except ImportError:
+        raise OpsError("--http needs prometheus_client: pip install 'p2pweights[ops]' "
+                       "(or pip install prometheus_client)") from None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(readiness))
+    return registry
+
+
+# ----- HTTP --------------------------------------------------------------------
+
+
+class OpsServer:
+    """``/healthz``, ``/readyz`` and ``/metrics`` on ``addr``, served from a daemon thread."""
+
+    def __init__(self, addr: str):
+        host, port = parse_http_addr(addr)
+        self.readiness = Readiness()
+        self.registry = metrics_registry(self.readiness)
+        ops = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802  (http.server's name)
+                try:
+                    code, ctype, body = ops.answer(self.path.split("?", 1)[0])
+                except Exception as e:  # a probe never takes the node down
+                    code, ctype, body = 500, "text/plain", f"error: {e!r}\n".encode()
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # probes every few seconds would flood the log
+                pass
+
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), Handler)
+        except OSError as e:
+            raise OpsError(f"cannot serve --http on {addr}: {e.strerror or e}") from None
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="p2pw-http", daemon=True)
+        self.thread.start()
+
+    def bind(self, handle) -> None:
+        self.readiness.bind(handle)
+
+    def answer(self, path: str) -> tuple[int, str, bytes]:
+        if path == "/healthz":
+            ok = self.readiness.alive()
+            return (200 if ok else 503), "application/json", json.dumps({"alive": ok}).encode()
+        if path == "/readyz":
+            st = self.readiness.stage()
+            return (200 if st["stage"] == "ready" else 503), "application/json", json.dumps(st).encode()
+        if path == "/metrics":
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        return 404, "text/plain", b"not found: try /healthz, /readyz, /metrics\n"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# ----- progress ----------------------------------------------------------------
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f}"
+
+
+class Progress:
+    """A one-line bar redrawn on a terminal; elsewhere (a pod's log) a progress line every ``every`` s."""
+
+    def __init__(self, download, stream=None, every: float = PROGRESS_EVERY):
+        self.download = download
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty()
+        self.every = 0.2 if self.tty else every
+        self.last = (time.monotonic(), download.progress["bytes"])
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="p2pw-progress", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.wait(self.every):
+            self.draw() if self.tty else self.line()
+
+    def _rate(self, p: dict) -> float:
+        """Bytes/s since the last line (the mean rate on a terminal's fast redraws)."""
+        now = time.monotonic()
+        t0, b0 = self.last
+        self.last = (now, p["bytes"])
+        return (p["bytes"] - b0) / (now - t0) if now > t0 and not self.tty else p["rate"]
+
+    def draw(self):
+        p = self.download.progress
+        frac = p["bytes"] / p["total"] if p["total"] else 1.0
+        eta = (p["total"] - p["bytes"]) / p["rate"] if p["rate"] > 0 else float("inf")
+        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+        self.stream.write(f"\r[{bar}] {human(p['bytes'])}/{human(p['total'])} "
+                          f"{p['rate'] / 1e6:7.1f} MB/s ETA {eta:5.1f}s ")
+        self.stream.flush()
+
+    def line(self, final: bool = False):
+        """One progress line through the log (text or JSON): bytes, percent, rate, ETA, sources."""
+        dl = self.download
+        p = dl.progress
+        rate = self._rate(p) if not final else p["rate"]
+        left = p["total"] - p["bytes"]
+        eta = left / rate if rate > 0 else None
+        pct = round(100.0 * p["bytes"] / p["total"], 1) if p["total"] else 100.0
+        sources = [x["rank"] for x in dl.parents]
+        progress_log.info("%s %s/%s (%.1f%%) %.1f MB/s ETA %s sources %s", "done" if final else "progress",
+                          human(p["bytes"]), human(p["total"]), pct, rate / 1e6,
+                          f"{eta:.0f}s" if eta is not None else "-",
+                          ", ".join(f"rank {r}" for r in sources) or "none",
+                          extra={"event": "progress", "bytes": p["bytes"], "total": p["total"], "pct": pct,
+                                 "rate": round(rate, 1), "eta_s": round(eta, 1) if eta is not None else None,
+                                 "sources": sources})
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        if self.tty:
+            self.draw()
+            self.stream.write("\n")
+
+
+# ----- logs --------------------------------------------------------------------
+
+RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class LogContext:
+    """Fields every JSON log line carries: model_id and rank, once the node knows them."""
+
+    def __init__(self):
+        self.handle = None
+
+    def fields(self) -> dict:
+        h = self.handle
+        if h is None:
+            return {"model_id": None, "rank": None}
+        rank = getattr(h, "rank", 0)
+        return {"model_id": h.model_id, "rank": h.node.rank if h.node.member is not None else rank}
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"ts", "level", "event", "model_id", "rank", "message", ...extra}`` on one line."""
+
+    def __init__(self, context: LogContext):
+        super().__init__()
+        self.context = context
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds")
+               .replace("+00:00", "Z"),
+               "level": record.levelname.lower(), "event": getattr(record, "event", "log"),
+               **self.context.fields(), "message": record.getMessage()}
+        for k, v in vars(record).items():
+            if k not in RESERVED and k != "event" and k not in doc:
+                doc[k] = v
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def configure_logging(fmt: str, level: int, context: LogContext) -> None:
+    """Log lines to stderr, as text or (``fmt == "json"``) one JSON object per line."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter(context))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s p2pw %(levelname)s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level)
+    progress_log.setLevel(logging.INFO)
+    logging.getLogger("p2pw.events").setLevel(logging.INFO)
