@@ -268,7 +268,7 @@ class Progress:
         eta = left / rate if rate > 0 else None
         pct = round(100.0 * p["bytes"] / p["total"], 1) if p["total"] else 100.0
         sources = [x["rank"] for x in dl.parents]
-        progress_log.info("%s %s/%s (%.1f%%) %.1f MB/s ETA %s sources %s", "done" if final else "progress",
+        progress_log.info("%s %s/%s (%.1f%%) %.1f MB/s ETA %s sources %s", "progress",
                           human(p["bytes"]), human(p["total"]), pct, rate / 1e6,
                           f"{eta:.0f}s" if eta is not None else "-",
                           ", ".join(f"rank {r}" for r in sources) or "none",
@@ -277,11 +277,14 @@ class Progress:
                                  "sources": sources})
 
     def close(self):
+        """Stop; the bar's last state, or (off a terminal) a last line with the mean rate."""
         self.stop.set()
         self.thread.join()
         if self.tty:
             self.draw()
             self.stream.write("\n")
+        else:
+            self.line(final=True)
 
 
 # ----- logs --------------------------------------------------------------------
