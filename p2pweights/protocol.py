@@ -21,7 +21,9 @@ them with REQUESTs, never more than that link's credit window outstanding: a
 partner sends only what was asked for, so a slow link slows nobody else.  An
 endgame duplicate that lost the race is withdrawn with CANCEL.  Peers report
 DONE to the tracker and ask to LEAVE; the tracker lets a peer go once the
-peers that depend on it are done.
+peers that depend on it are done.  Anyone may ask the tracker for the fleet
+with STATUS on a fresh connection (no join); it answers STATUS_REPLY with its
+latest snapshot (any other node answers REDIRECT to the tracker).
 """
 from __future__ import annotations
 

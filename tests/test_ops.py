@@ -299,3 +299,15 @@ def test_http_without_prometheus_client_says_how_to_get_it(tmp_path, model_dir):
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == ("p2pw: error: --http needs prometheus_client: pip install "
                                                   "'p2pweights[ops]' (or pip install prometheus_client)")
+
+
+def test_readyz_with_a_device_waits_for_the_device_buffer(procs, tmp_path, model_dir):
+    pytest.importorskip("torch")
+    _, info = procs.seeder(model_dir)
+    h = free_port()
+    j = procs.join(info["port"], tmp_path / "out", "--device", "cpu", "--stay", "--http", f"127.0.0.1:{h}")
+    code, body = until(lambda: (lambda r: r if r[0] == 200 else None)(get(h, "/readyz")), j, what="ready")
+    assert json.loads(body) == {"stage": "ready"}
+    j.wait_line(r"staying to serve")  # after the stage report: every tensor on the device
+    m = metrics(h)
+    assert m["p2pw_ready"] == 1 and m["p2pw_received_bytes_total"] > 0
