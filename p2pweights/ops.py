@@ -327,16 +327,23 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(fmt: str, level: int, context: LogContext) -> None:
-    """Log lines to stderr, as text or (``fmt == "json"``) one JSON object per line."""
+    """Log lines to stderr, as text or (``fmt == "json"``) one JSON object per line.
+
+    Like ``logging.basicConfig``: a process whose root logger already has
+    handlers of its own (an embedding application, pytest) keeps them."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h, "p2pw", False)]
+    for h in ours:
+        root.removeHandler(h)
+    progress_log.setLevel(logging.INFO)
+    logging.getLogger("p2pw.events").setLevel(logging.INFO)
+    if root.handlers:
+        return
     handler = logging.StreamHandler(sys.stderr)
+    handler.p2pw = True
     if fmt == "json":
         handler.setFormatter(JsonFormatter(context))
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s p2pw %(levelname)s %(message)s", "%H:%M:%S"))
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level)
-    progress_log.setLevel(logging.INFO)
-    logging.getLogger("p2pw.events").setLevel(logging.INFO)
