@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from p2pweights import api, fleet, protocol
+from p2pweights import api, fleet, keys
 from p2pweights.topology import make as make_topology
 from p2pweights.tracker import Tracker
 
@@ -311,3 +311,17 @@ def test_readyz_with_a_device_waits_for_the_device_buffer(procs, tmp_path, model
     j.wait_line(r"staying to serve")  # after the stage report: every tensor on the device
     m = metrics(h)
     assert m["p2pw_ready"] == 1 and m["p2pw_received_bytes_total"] > 0
+
+
+def test_status_of_a_keyed_fleet_needs_the_key(procs, tmp_path, model_dir):
+    key = tmp_path / "key"
+    assert subprocess.run(p2pw_argv("keygen", key), capture_output=True, timeout=60).returncode == 0
+    _, info = procs.seeder(model_dir, "--key", key)
+    j = procs.join(info["port"], tmp_path / "out", "--key", key)
+    assert j.wait(60) == 0, j.output()
+    refused = subprocess.run(p2pw_argv("status", f"127.0.0.1:{info['port']}", "--timeout", "5"),
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and refused.stderr.startswith("p2pw: error: ")
+    assert "--key" in refused.stderr and "Traceback" not in refused.stderr
+    doc = api.status(f"127.0.0.1:{info['port']}", key=keys.load(str(key)))
+    assert [(p["rank"], p["progress"], p["state"]) for p in doc["peers"]] == [(1, 1.0, "left")]
