@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MAX_LISTED = 1000  # peers one STATUS_REPLY lists (the slowest first); the count covers them all
 SILENT_AFTER = 5.0  # a member not heard from this long is shown as silent
 STATES = ("waiting", "downloading", "silent", "done", "left")
 
 
-@dataclass(frozen=True)
-class PeerStatus:
-    """One member as the tracker knew it when the snapshot was taken."""
+class PeerStatus(NamedTuple):
+    """One member as the tracker knew it when the snapshot was taken (a tuple: cheap to make, immutable)."""
 
     rank: int
     peer_id: str
@@ -82,25 +82,19 @@ def snapshot(tracker, manifest, now: float | None = None) -> Fleet:
     """The fleet as ``tracker`` knows it now.  Call on the thread that owns the tracker (the loop)."""
     now = tracker.clock() if now is None else now
     n, total = manifest.n_chunks, manifest.total_size
+    silent_since = now - SILENT_AFTER
     peers = []
     for rank, m in tracker.members.items():
-        have = min(max(int(m.have), 0), n)
-        done = bool(m.done)
-        if m.left:
-            state = "left"
-        elif done:
-            state = "done"
-        elif now - m.seen > SILENT_AFTER:
-            state = "silent"
-        else:
-            state = "downloading" if have else "waiting"
+        done, left = bool(m.done), bool(m.left)
         if done:
-            rate = total / m.seconds if m.seconds else 0.0
+            have, progress, rate = n, 1.0, (total / m.seconds if m.seconds else 0.0)
+            state = "left" if left else "done"
         else:
-            rate = float(sum(m.rates.values())) if not m.left else 0.0
-        peers.append(PeerStatus(rank=rank, peer_id=m.peer_id, addr=m.listen, sources=tuple(m.parents),
-                                have=n if done else have, progress=1.0 if done else (have / n if n else 1.0),
-                                rate=round(rate, 1), state=state, done=bool(m.done), left=bool(m.left),
-                                demoted=bool(m.demoted)))
+            have = min(max(int(m.have), 0), n)
+            progress = have / n if n else 1.0
+            rate = 0.0 if left else float(sum(m.rates.values()))
+            state = "left" if left else "silent" if m.seen < silent_since else "downloading" if have else "waiting"
+        peers.append(PeerStatus(rank, m.peer_id, m.listen, tuple(m.parents), have, progress, round(rate, 1),
+                                state, done, left, bool(m.demoted)))
     peers.sort(key=_order)
     return Fleet(manifest.model_id, n, total, time.time(), tuple(peers))
