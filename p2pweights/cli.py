@@ -124,10 +124,14 @@ def cmd_seed(args) -> int:
     command = join_command(args, s.port, s.model_id, key)
     say("join_command", f"p2pw: join with: {command}", command=command)
     write_json(args.ready, {"port": s.port, "model_id": s.model_id, "total_size": m.total_size})
+    from .ops import FleetProgress
+
+    lines = FleetProgress(s, every=args.progress_every)
     try:  # the fleet snapshot the loop publishes: never the tracker's live member table from this thread
         serve_until_signalled(lambda: bool(args.exit_after) and s.fleet.done >= args.exit_after
                               and s.fleet.all_left)
     finally:
+        lines.close()
         s.close()
     fleet = s.fleet  # the loop's last snapshot, taken as it ended
     report = {"model_id": s.model_id, "total_size": m.total_size, "bytes_read": s.bytes_read,
@@ -358,6 +362,8 @@ def parser() -> argparse.ArgumentParser:
                         "(sha256, blake2b, blake3) that also stops a peer forging chunks")
     s.add_argument("--max-peers", type=int, default=10_000, help="refuse joiners beyond this many peers")
     s3_flags(s)
+    s.add_argument("--progress-every", type=float, default=10.0, metavar="S",
+                   help="seconds between lines about the fleet (peers, done, the slowest) while peers download")
     _ops_flags(s)
     s.set_defaults(func=cmd_seed)
 

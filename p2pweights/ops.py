@@ -7,7 +7,8 @@
   its store, disk writer and device sink.
 - ``NodeCollector``: Prometheus metrics read from the node's own counters at
   scrape time (no second bookkeeping in the hot path).
-- ``Progress``: a bar on a terminal, else a progress line every 10 s.
+- ``Progress``: a bar on a terminal, else a progress line every 10 s;
+  ``FleetProgress``: the seeder's line about its fleet every 10 s.
 - ``JsonFormatter``: one JSON object per log line (``--log-format json``).
 """
 from __future__ import annotations
@@ -285,6 +286,35 @@ class Progress:
             self.stream.write("\n")
         else:
             self.line(final=True)
+
+
+class FleetProgress:
+    """The seeder's line every ``every`` s while some live peer is not done: peers, done, the slowest."""
+
+    def __init__(self, seeder, every: float = PROGRESS_EVERY):
+        self.seeder, self.every = seeder, every
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="p2pw-fleet-progress", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.wait(self.every):
+            self.line()
+
+    def line(self) -> None:
+        f = self.seeder.fleet  # the loop's published snapshot, never the live member table
+        busy = [p for p in f.peers if not p.left and not p.done]
+        if not busy:
+            return
+        slow = busy[0]
+        progress_log.info("fleet: %d peers, %d done; slowest rank %d (%s) at %.1f%%, %.1f MB/s, %s",
+                          f.live, f.done, slow.rank, slow.addr, 100 * slow.progress, slow.rate / 1e6, slow.state,
+                          extra={"event": "fleet", "peers": f.live, "done": f.done, "slowest": slow.rank,
+                                 "slowest_progress": slow.progress, "slowest_rate": slow.rate})
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 # ----- logs --------------------------------------------------------------------

@@ -172,13 +172,17 @@ def test_json_logs_parse_line_by_line(procs, tmp_path, model_dir):
 
 
 def test_progress_lines_off_a_terminal(procs, tmp_path, model_dir):
-    _, info = procs.seeder(model_dir, "--chunk-size", CHUNK, env={"P2PW_FAULTS": "delay_send=20"})
+    seeder, info = procs.seeder(model_dir, "--chunk-size", CHUNK, "--progress-every", "0.05",
+                                env={"P2PW_FAULTS": "delay_send=50"})
     j = procs.start("join", "--parent", f"127.0.0.1:{info['port']}", "--host", "127.0.0.1", "--out",
                     tmp_path / "out", "--progress-every", "0.1")
     assert j.wait(60) == 0, j.output()
     lines = [ln for ln in j.lines if " progress " in ln]
     assert lines, j.output()
     assert re.search(r"progress 6\.\d MiB/6\.\d MiB \(100\.0%\) [\d.]+ MB/s ETA \S+ sources rank 0", lines[-1])
+    # the seeder's own line about its fleet while the peer downloads (24 chunks at 50 ms each, a line every 50 ms)
+    seeder.wait_line(r"fleet: 1 peers, 0 done; slowest rank 1 \(127\.0\.0\.1:\d+\) at [\d.]+%, [\d.]+ MB/s, "
+                     r"(waiting|downloading|silent)$")
 
 
 def test_fleet_snapshot_stays_consistent_while_peers_join_and_leave(procs, tmp_path, model_dir):
