@@ -383,6 +383,8 @@ class PullScheduler:
         if not overdue:
             return
         for lk in sorted(ready, key=lambda x: -x.rate):
+            if lk.rank == SEEDER:
+                continue  # its uplink carries each chunk about once: no duplicates from it
             dup = sum(1 for i in lk.outstanding if len(self.asked.get(i, ())) > 1)
             free = min(lk.free(), ENDGAME_PER_LINK - dup)
             picks = [i for _, i, r in sorted(overdue) if r != lk.rank and lk.holds[i] and len(self.asked[i]) == 1]

@@ -153,3 +153,11 @@ def test_requests_stay_bounded_by_the_windows():
 def test_waiting_for_names_chunks_no_partner_holds():
     s, _ = sched(n=4, have="1...", links={1: "11.."})
     assert s.waiting_for() == [2, 3]
+
+
+def test_endgame_never_asks_the_seeder_for_a_duplicate():
+    s, clock = sched(n=4, have="111.", links={1: "1111", 0: "1111"}, plan=(1,), window=4)
+    assert asked(s) == {1: [3]}
+    clock.t = 10.0
+    s.stalled()
+    assert asked(s) == {}
