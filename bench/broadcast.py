@@ -71,6 +71,15 @@ def case_rates(case: str, rate: float, slow_hosts: list[int], factor: float) -> 
     return {h: rate / factor for h in slow_hosts[:k]}
 
 
+def default_plan() -> str | None:
+    """The plan ``p2pw seed`` uses without --topology, where the package says (else None)."""
+    try:
+        from p2pweights.api import DEFAULT_PLAN
+        return str(DEFAULT_PLAN)
+    except Exception:
+        return None
+
+
 def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str) -> float | None:
     """p2pw simulate's time over the floor, or None where it cannot say (its API may change)."""
     try:
@@ -78,8 +87,10 @@ def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str)
         from p2pweights.simulate import simulate
 
         uplink = rate_mbit * 1e6 / 8
-        kw = {} if plan == "default" else {"topology": plan}
-        res = simulate(n, size, uplink, chunk or DEFAULT_CHUNK_SIZE, **kw)
+        plan = default_plan() if plan == "default" else plan
+        if plan is None:
+            return None
+        res = simulate(n, size, uplink, chunk or DEFAULT_CHUNK_SIZE, topology=plan)
         return res.time_last / (size / uplink)
     except Exception:
         return None
@@ -277,7 +288,8 @@ def main(argv=None) -> int:
         intro = (f"{size / (1 << 20):.0f} MiB synthetic checkpoint (S = {size} file bytes), p2pw chunks "
                  f"{'of ' + str(args.chunk_size >> 10) + ' KiB' if args.chunk_size else 'at the seeder default'}, "
                  f"libtorrent pieces of {args.piece_size >> 10} KiB ({'TCP+uTP' if args.bt_utp else 'TCP only'}), "
-                 f"medians of {args.repeat} run(s), {ncpu} CPUs; {_versions()}")
+                 f"medians of {args.repeat} run(s), {ncpu} CPUs; {_versions()}; the default plan is "
+                 f"{default_plan() or 'unknown'}")
         print(f"# broadcast: {intro}", file=sys.stderr, flush=True)
         for n in args.peers:
             rate = args.rate
