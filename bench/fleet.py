@@ -118,7 +118,10 @@ def _tail(path: Path, n: int = 1500) -> str:
 
 def _reap(p: subprocess.Popen) -> tuple[int, float] | None:
     """(exit code, user+sys CPU seconds) if p has exited, else None; reaps it."""
-    pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+    try:
+        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+    except ChildProcessError:  # already reaped (the testbed's teardown on a signal)
+        return (p.returncode if p.returncode is not None else -signal.SIGKILL), 0.0
     if not pid:
         return None
     p.returncode = os.waitstatus_to_exitcode(status)
@@ -138,7 +141,10 @@ def _stop(p: subprocess.Popen, timeout: float = 30) -> tuple[int, float]:
             return got
         time.sleep(0.02)
     p.kill()
-    _, status, ru = os.wait4(p.pid, 0)
+    try:
+        _, status, ru = os.wait4(p.pid, 0)
+    except ChildProcessError:
+        return (p.returncode if p.returncode is not None else -signal.SIGKILL), 0.0
     p.returncode = os.waitstatus_to_exitcode(status)
     return p.returncode, ru.ru_utime + ru.ru_stime
 
