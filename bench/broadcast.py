@@ -163,6 +163,11 @@ DETAIL_HEAD = ("| case | N | tool | plan | runs t/floor | slow hosts worst | oth
                "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+def _plan(variant: str) -> str:
+    d = default_plan() if variant == "default" else None
+    return f"default ({d})" if d else variant
+
+
 def main_rows(summaries: list[dict]) -> list[str]:
     rows = []
     by = {(s["n"], s["case"], s["variant"]): s for s in summaries}
@@ -172,7 +177,7 @@ def main_rows(summaries: list[dict]) -> list[str]:
         bt = by.get((s["n"], s["case"], BT))
         vs = (s["ratio"] / bt["ratio"]) if s.get("ratio") and bt and bt.get("ratio") else None
         busy = [x.get("busy") for x in (s, bt) if x and x.get("busy") is not None]
-        rows.append(f"| {s['case']} | {s['n']} | {s['rate_mbit']:.0f} | {s['variant']} | {_cell(s, 'ratio')} | "
+        rows.append(f"| {s['case']} | {s['n']} | {s['rate_mbit']:.0f} | {_plan(s['variant'])} | {_cell(s, 'ratio')} | "
                     f"{_cell(bt, 'ratio')} | {_f(vs)} | {_cell(s, 'seed_tx_ratio')} | {_cell(bt, 'seed_tx_ratio')} | "
                     f"{_cell(s, 'cpu_per_gb', '{:.1f}')} | {_cell(bt, 'cpu_per_gb', '{:.1f}')} | {_f(s.get('sim'))} | "
                     f"{_f(max(busy) if busy else None, '{:.0%}')} |")
@@ -188,7 +193,7 @@ def main_rows(summaries: list[dict]) -> list[str]:
 def detail_rows(summaries: list[dict]) -> list[str]:
     rows = []
     for s in summaries:
-        tool, plan = (BT, "bt") if s["variant"] == BT else ("p2pw", s["variant"])
+        tool, plan = (BT, "bt") if s["variant"] == BT else ("p2pw", _plan(s["variant"]))
         if s.get("ratio") is None:
             rows.append(f"| {s['case']} | {s['n']} | {tool} | {plan} | FAIL: {'; '.join(s['errors'])[:200]} "
                         "| | | | | | | |")
@@ -257,6 +262,36 @@ def parse_args(argv):
     return args
 
 
+def run_n(n: int, args, model: str, torrent: str | None, work: str, size: int) -> tuple[dict, int]:
+    """Every (case, variant) run for one N on one testbed, interleaved; ({(case, variant): runs}, failures).
+
+    Raises CopyMismatch at once: a wrong copy makes every number meaningless.
+    """
+    floor = size / (args.rate * 1e6 / 8)
+    runs = {(c, v): [] for c in args.cases for v in args.variants}
+    failed = 0
+    with Testbed(n + 1, rate_mbit=args.rate) as tb:
+        for rep in range(args.repeat):
+            for case in args.cases:
+                tb.set_rates(case_rates(case, args.rate, args.slow_hosts, args.slow_factor))
+                for v in (args.variants if rep % 2 == 0 else args.variants[::-1]):
+                    try:
+                        r = one_run(tb, v, model, torrent, n, work, case, args)
+                    except fleet.CopyMismatch as exc:
+                        raise fleet.CopyMismatch(f"{case}, {v}, N = {n}: {exc}") from exc
+                    except fleet.RunFailed as exc:
+                        failed += 1
+                        r = {"error": str(exc)[:1500]}
+                        print(f"broadcast: FAILED {case} {v} N={n} rep {rep + 1}: {exc}", file=sys.stderr)
+                    r.update(case=case, variant=v, rep=rep, n=n)
+                    runs[(case, v)].append(r)
+                    if "error" not in r:
+                        print(f"  [{rep + 1}/{args.repeat}] N={n} {case:<5} {v:<10} {r['time']:6.2f} s = "
+                              f"{r['time'] / floor:.2f} x floor, seed tx {r['seed_tx'] / size:.2f} S, "
+                              f"busy {r['busy']:.0%}", file=sys.stderr, flush=True)
+    return runs, failed
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     ok, why = Testbed.available()
@@ -292,35 +327,17 @@ def main(argv=None) -> int:
                  f"{default_plan() or 'unknown'}")
         print(f"# broadcast: {intro}", file=sys.stderr, flush=True)
         for n in args.peers:
-            rate = args.rate
-            floor = size / (rate * 1e6 / 8)
-            runs = {(c, v): [] for c in args.cases for v in args.variants}
-            with Testbed(n + 1, rate_mbit=rate) as tb:
-                for rep in range(args.repeat):
-                    for case in args.cases:
-                        tb.set_rates(case_rates(case, rate, args.slow_hosts, args.slow_factor))
-                        order = args.variants if rep % 2 == 0 else args.variants[::-1]
-                        for v in order:
-                            try:
-                                r = one_run(tb, v, model, torrent, n, work, case, args)
-                            except fleet.CopyMismatch as exc:
-                                print(f"broadcast: COPY MISMATCH ({case}, {v}, N = {n}): {exc}", file=sys.stderr)
-                                return 1
-                            except fleet.RunFailed as exc:
-                                failed += 1
-                                r = {"error": str(exc)[:1500]}
-                                print(f"broadcast: FAILED {case} {v} N={n} rep {rep + 1}: {exc}", file=sys.stderr)
-                            r.update(case=case, variant=v, rep=rep, n=n)
-                            runs[(case, v)].append(r)
-                            raw.append(r)
-                            if "error" not in r:
-                                print(f"  [{rep + 1}/{args.repeat}] N={n} {case:<5} {v:<10} {r['time']:6.2f} s = "
-                                      f"{r['time'] / floor:.2f} x floor, seed tx {r['seed_tx'] / size:.2f} S, "
-                                      f"busy {r['busy']:.0%}", file=sys.stderr, flush=True)
+            try:
+                runs, fails = run_n(n, args, model, torrent, work, size)
+            except fleet.CopyMismatch as exc:
+                print(f"broadcast: COPY MISMATCH ({exc})", file=sys.stderr)
+                return 1
+            failed += fails
+            raw.extend(r for rs in runs.values() for r in rs)
             for case in args.cases:
-                slow = case_rates(case, rate, args.slow_hosts, args.slow_factor)
+                slow = case_rates(case, args.rate, args.slow_hosts, args.slow_factor)
                 for v in args.variants:
-                    summaries.append(summarize(runs[(case, v)], case, v, n, rate, slow, args))
+                    summaries.append(summarize(runs[(case, v)], case, v, n, args.rate, slow, args))
     floors = ", ".join(f"N = {s['n']}: {s['floor']:.2f} s" for s in summaries if s.get("floor"))
     text = (f"{intro}.\n\nfloor = S / B at {args.rate:g} Mbit/s"
             f" ({floors.split(', ')[0] if floors else 'n/a'}); t/floor is launch to the last exit 0"
