@@ -112,7 +112,8 @@ def _med(xs):
 def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, slow: dict, args) -> dict:
     """Medians over the successful runs of one (N, case, variant)."""
     ok = [r for r in runs if "error" not in r]
-    out = {"case": case, "variant": variant, "n": n, "rate_mbit": rate, "runs": len(runs), "failed": len(runs) - len(ok),
+    out = {"case": case, "variant": variant, "n": n, "rate_mbit": rate, "runs": len(runs),
+           "failed": len(runs) - len(ok),
            "errors": [r["error"] for r in runs if "error" in r]}
     if not ok:
         return out
@@ -124,7 +125,10 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         t = [s for h, s in r["exits"].items() if h in hosts]
         return max(t) / floor if t else None
 
-    rep = lambda r, key, f: f([d[key] for d in r["reports"].values() if key in d]) if r["reports"] else None  # noqa: E731
+    def rep(r, key, f):
+        xs = [d[key] for d in r["reports"].values() if key in d]
+        return f(xs) if xs else None
+
     out.update({
         "size": size, "floor": floor,
         "ratio": _med(r["time"] / floor for r in ok), "ratios": [round(r["time"] / floor, 3) for r in ok],
@@ -184,7 +188,8 @@ def main_rows(summaries: list[dict]) -> list[str]:
     if not rows:  # libtorrent alone
         for s in summaries:
             busy = s.get("busy")
-            rows.append(f"| {s['case']} | {s['n']} | {s['rate_mbit']:.0f} | n/a | n/a | {_cell(s, 'ratio')} | n/a | n/a | "
+            rows.append(f"| {s['case']} | {s['n']} | {s['rate_mbit']:.0f} | n/a | n/a | {_cell(s, 'ratio')} | n/a | "
+                        "n/a | "
                         f"{_cell(s, 'seed_tx_ratio')} | n/a | {_cell(s, 'cpu_per_gb', '{:.1f}')} | n/a | "
                         f"{_f(busy, '{:.0%}')} |")
     return rows
@@ -200,7 +205,8 @@ def detail_rows(summaries: list[dict]) -> list[str]:
             continue
         killed = ", ".join(f"h{k['host']} @ {k['at_s']:.1f}, {k['rx'] / s['size']:.2f}" for k in s["killed"]) or ""
         fails = f" ({s['failed']} failed)" if s["failed"] else ""
-        rows.append(f"| {s['case']} | {s['n']} | {tool} | {plan} | {', '.join(f'{x:.2f}' for x in s['ratios'])}{fails} | "
+        runs = ", ".join(f"{x:.2f}" for x in s["ratios"])
+        rows.append(f"| {s['case']} | {s['n']} | {tool} | {plan} | {runs}{fails} | "
                     f"{_f(s['slow_worst'])} | {_f(s['fast_worst'])} | {_f(s['started_max'])} | {_f(s['first_med'])} | "
                     f"{_f(s['done_max'])} | {_f(s['exit_max'])} | {killed} |")
     return rows
@@ -344,7 +350,8 @@ def main(argv=None) -> int:
             f" (kill: of the survivors).\n\n{MAIN_HEAD}\n" + "\n".join(main_rows(summaries)) +
             f"\n\nPer host (medians; seconds since launch; slow/other hosts worst = that group's last exit / floor; "
             f"joined by = last join()/session start, first chunk = median first verified chunk, last chunk = last "
-            f"verified chunk, from the receivers' --report):\n\n{DETAIL_HEAD}\n" + "\n".join(detail_rows(summaries)) + "\n")
+            f"verified chunk, from the receivers' --report):\n\n{DETAIL_HEAD}\n"
+            + "\n".join(detail_rows(summaries)) + "\n")
     print(text)
     if args.md:
         cmd = "sudo .venv/bin/python bench/broadcast.py " + " ".join(argv if argv is not None else sys.argv[1:])
