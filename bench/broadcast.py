@@ -31,8 +31,9 @@ show medians of ``--repeat`` runs.  ``bench/fleet.py`` does one run:
   make one copy read about 1.046); CPU s/GB/peer: user+sys seconds of each
   receiver process (``os.wait4``) per GB of S, mean over receivers; CPU busy:
   the machine's cores during the run (it is shared: read ratios, not seconds).
-* sim: ``p2pw simulate`` for the same N, S, B, chunk and plan (equal uplinks
-  only; n/a where the simulator cannot say).
+* sim: ``p2pw simulate`` for the same N, S, B, chunk and plan (slow hosts as
+  the uplinks of those ranks, the kill as rank 1 at a third; n/a where the
+  simulator cannot say).
 
 Needs root (network namespaces).  Results go to stdout and ``--md``
 (``bench/results/broadcast.md``); ``--json`` dumps every run.
@@ -80,8 +81,13 @@ def default_plan() -> str | None:
         return None
 
 
-def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str) -> float | None:
-    """p2pw simulate's time over the floor, or None where it cannot say (its API may change)."""
+def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str,
+              slow: dict[int, float] | None = None, kill: bool = False) -> float | None:
+    """p2pw simulate's time over the floor, or None where it cannot say (its API may change).
+
+    Slow hosts go in as the uplinks of the same ranks (host h as rank h); the kill as rank 1
+    failing once a third of the model has gone out.
+    """
     try:
         from p2pweights.manifest import DEFAULT_CHUNK_SIZE
         from p2pweights.simulate import simulate
@@ -90,7 +96,12 @@ def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str)
         plan = default_plan() if plan == "default" else plan
         if plan is None:
             return None
-        res = simulate(n, size, uplink, chunk or DEFAULT_CHUNK_SIZE, topology=plan)
+        kw = {}
+        if slow:
+            kw["uplinks"] = [slow.get(h, rate_mbit) * 1e6 / 8 for h in range(1, n + 1)]
+        if kill:
+            kw["failures"] = [(1, 1 / 3)]
+        res = simulate(n, size, uplink, chunk or DEFAULT_CHUNK_SIZE, topology=plan, **kw)
         return res.time_last / (size / uplink)
     except Exception:
         return None
@@ -142,7 +153,7 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         "done_max": _med(rep(r, "done_at", max) for r in ok),
         "exit_max": _med(r["time"] for r in ok),
         "killed": [r["killed"] for r in ok if r.get("killed")],
-        "sim": sim_ratio(n, size, rate, args.chunk_size, variant) if case == "equal" and variant != BT else None,
+        "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, variant, slow, case == "kill"),
     })
     return out
 
