@@ -196,7 +196,8 @@ def _timed(tb: Testbed, model: str, n: int, work: Path, tag: str, seeder, receiv
                 break
             now = time.monotonic()
             if now - t0 > timeout:
-                raise RunFailed(f"hosts {[r.host for r in live]} still running after {timeout:.0f} s: "
+                killed = f" (h{killer.host} killed at {killer.at_s:.1f} s)" if killer and killer.host else ""
+                raise RunFailed(f"hosts {[r.host for r in live]} still running after {timeout:.0f} s{killed}: "
                                 f"{_tail(live[0].log)}")
             if killer and killer.host is None and now >= next_counters:
                 next_counters = now + KILL_POLL
