@@ -31,8 +31,9 @@ show medians of ``--repeat`` runs.  ``bench/fleet.py`` does one run:
   make one copy read about 1.046); CPU s/GB/peer: user+sys seconds of each
   receiver process (``os.wait4``) per GB of S, mean over receivers; CPU busy:
   the machine's cores during the run (it is shared: read ratios, not seconds).
-* sim: ``p2pw simulate`` for the same N, S, B, chunk and plan (equal uplinks
-  only; n/a where the simulator cannot say).
+* sim: ``p2pw simulate`` for the same N, S, B, chunk and plan (slow hosts as
+  the uplinks of those ranks, the kill as rank 1 at a third; n/a where the
+  simulator cannot say).
 
 Needs root (network namespaces).  Results go to stdout and ``--md``
 (``bench/results/broadcast.md``); ``--json`` dumps every run.
@@ -71,15 +72,36 @@ def case_rates(case: str, rate: float, slow_hosts: list[int], factor: float) -> 
     return {h: rate / factor for h in slow_hosts[:k]}
 
 
-def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str) -> float | None:
-    """p2pw simulate's time over the floor, or None where it cannot say (its API may change)."""
+def default_plan() -> str | None:
+    """The plan ``p2pw seed`` uses without --topology, where the package says (else None)."""
+    try:
+        from p2pweights.api import DEFAULT_PLAN
+        return str(DEFAULT_PLAN)
+    except Exception:
+        return None
+
+
+def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str,
+              slow: dict[int, float] | None = None, kill: bool = False) -> float | None:
+    """p2pw simulate's time over the floor, or None where it cannot say (its API may change).
+
+    Slow hosts go in as the uplinks of the same ranks (host h as rank h); the kill as rank 1
+    failing once a third of the model has gone out.
+    """
     try:
         from p2pweights.manifest import DEFAULT_CHUNK_SIZE
         from p2pweights.simulate import simulate
 
         uplink = rate_mbit * 1e6 / 8
-        kw = {} if plan == "default" else {"topology": plan}
-        res = simulate(n, size, uplink, chunk or DEFAULT_CHUNK_SIZE, **kw)
+        plan = default_plan() if plan == "default" else plan
+        if plan is None:
+            return None
+        kw = {}
+        if slow:
+            kw["uplinks"] = [slow.get(h, rate_mbit) * 1e6 / 8 for h in range(1, n + 1)]
+        if kill:
+            kw["failures"] = [(1, 1 / 3)]
+        res = simulate(n, size, uplink, chunk or DEFAULT_CHUNK_SIZE, topology=plan, **kw)
         return res.time_last / (size / uplink)
     except Exception:
         return None
@@ -101,7 +123,8 @@ def _med(xs):
 def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, slow: dict, args) -> dict:
     """Medians over the successful runs of one (N, case, variant)."""
     ok = [r for r in runs if "error" not in r]
-    out = {"case": case, "variant": variant, "n": n, "rate_mbit": rate, "runs": len(runs), "failed": len(runs) - len(ok),
+    out = {"case": case, "variant": variant, "n": n, "rate_mbit": rate, "runs": len(runs),
+           "failed": len(runs) - len(ok),
            "errors": [r["error"] for r in runs if "error" in r]}
     if not ok:
         return out
@@ -113,7 +136,10 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         t = [s for h, s in r["exits"].items() if h in hosts]
         return max(t) / floor if t else None
 
-    rep = lambda r, key, f: f([d[key] for d in r["reports"].values() if key in d]) if r["reports"] else None  # noqa: E731
+    def rep(r, key, f):
+        xs = [d[key] for d in r["reports"].values() if key in d]
+        return f(xs) if xs else None
+
     out.update({
         "size": size, "floor": floor,
         "ratio": _med(r["time"] / floor for r in ok), "ratios": [round(r["time"] / floor, 3) for r in ok],
@@ -127,7 +153,7 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         "done_max": _med(rep(r, "done_at", max) for r in ok),
         "exit_max": _med(r["time"] for r in ok),
         "killed": [r["killed"] for r in ok if r.get("killed")],
-        "sim": sim_ratio(n, size, rate, args.chunk_size, variant) if case == "equal" and variant != BT else None,
+        "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, variant, slow, case == "kill"),
     })
     return out
 
@@ -152,6 +178,11 @@ DETAIL_HEAD = ("| case | N | tool | plan | runs t/floor | slow hosts worst | oth
                "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+def _plan(variant: str) -> str:
+    d = default_plan() if variant == "default" else None
+    return f"default ({d})" if d else variant
+
+
 def main_rows(summaries: list[dict]) -> list[str]:
     rows = []
     by = {(s["n"], s["case"], s["variant"]): s for s in summaries}
@@ -161,14 +192,15 @@ def main_rows(summaries: list[dict]) -> list[str]:
         bt = by.get((s["n"], s["case"], BT))
         vs = (s["ratio"] / bt["ratio"]) if s.get("ratio") and bt and bt.get("ratio") else None
         busy = [x.get("busy") for x in (s, bt) if x and x.get("busy") is not None]
-        rows.append(f"| {s['case']} | {s['n']} | {s['rate_mbit']:.0f} | {s['variant']} | {_cell(s, 'ratio')} | "
+        rows.append(f"| {s['case']} | {s['n']} | {s['rate_mbit']:.0f} | {_plan(s['variant'])} | {_cell(s, 'ratio')} | "
                     f"{_cell(bt, 'ratio')} | {_f(vs)} | {_cell(s, 'seed_tx_ratio')} | {_cell(bt, 'seed_tx_ratio')} | "
                     f"{_cell(s, 'cpu_per_gb', '{:.1f}')} | {_cell(bt, 'cpu_per_gb', '{:.1f}')} | {_f(s.get('sim'))} | "
                     f"{_f(max(busy) if busy else None, '{:.0%}')} |")
     if not rows:  # libtorrent alone
         for s in summaries:
             busy = s.get("busy")
-            rows.append(f"| {s['case']} | {s['n']} | {s['rate_mbit']:.0f} | n/a | n/a | {_cell(s, 'ratio')} | n/a | n/a | "
+            rows.append(f"| {s['case']} | {s['n']} | {s['rate_mbit']:.0f} | n/a | n/a | {_cell(s, 'ratio')} | n/a | "
+                        "n/a | "
                         f"{_cell(s, 'seed_tx_ratio')} | n/a | {_cell(s, 'cpu_per_gb', '{:.1f}')} | n/a | "
                         f"{_f(busy, '{:.0%}')} |")
     return rows
@@ -177,14 +209,15 @@ def main_rows(summaries: list[dict]) -> list[str]:
 def detail_rows(summaries: list[dict]) -> list[str]:
     rows = []
     for s in summaries:
-        tool, plan = (BT, "bt") if s["variant"] == BT else ("p2pw", s["variant"])
+        tool, plan = (BT, "bt") if s["variant"] == BT else ("p2pw", _plan(s["variant"]))
         if s.get("ratio") is None:
             rows.append(f"| {s['case']} | {s['n']} | {tool} | {plan} | FAIL: {'; '.join(s['errors'])[:200]} "
                         "| | | | | | | |")
             continue
         killed = ", ".join(f"h{k['host']} @ {k['at_s']:.1f}, {k['rx'] / s['size']:.2f}" for k in s["killed"]) or ""
         fails = f" ({s['failed']} failed)" if s["failed"] else ""
-        rows.append(f"| {s['case']} | {s['n']} | {tool} | {plan} | {', '.join(f'{x:.2f}' for x in s['ratios'])}{fails} | "
+        runs = ", ".join(f"{x:.2f}" for x in s["ratios"])
+        rows.append(f"| {s['case']} | {s['n']} | {tool} | {plan} | {runs}{fails} | "
                     f"{_f(s['slow_worst'])} | {_f(s['fast_worst'])} | {_f(s['started_max'])} | {_f(s['first_med'])} | "
                     f"{_f(s['done_max'])} | {_f(s['exit_max'])} | {killed} |")
     return rows
@@ -246,6 +279,36 @@ def parse_args(argv):
     return args
 
 
+def run_n(n: int, args, model: str, torrent: str | None, work: str, size: int) -> tuple[dict, int]:
+    """Every (case, variant) run for one N on one testbed, interleaved; ({(case, variant): runs}, failures).
+
+    Raises CopyMismatch at once: a wrong copy makes every number meaningless.
+    """
+    floor = size / (args.rate * 1e6 / 8)
+    runs = {(c, v): [] for c in args.cases for v in args.variants}
+    failed = 0
+    with Testbed(n + 1, rate_mbit=args.rate) as tb:
+        for rep in range(args.repeat):
+            for case in args.cases:
+                tb.set_rates(case_rates(case, args.rate, args.slow_hosts, args.slow_factor))
+                for v in (args.variants if rep % 2 == 0 else args.variants[::-1]):
+                    try:
+                        r = one_run(tb, v, model, torrent, n, work, case, args)
+                    except fleet.CopyMismatch as exc:
+                        raise fleet.CopyMismatch(f"{case}, {v}, N = {n}: {exc}") from exc
+                    except fleet.RunFailed as exc:
+                        failed += 1
+                        r = {"error": str(exc)[:1500]}
+                        print(f"broadcast: FAILED {case} {v} N={n} rep {rep + 1}: {exc}", file=sys.stderr)
+                    r.update(case=case, variant=v, rep=rep, n=n)
+                    runs[(case, v)].append(r)
+                    if "error" not in r:
+                        print(f"  [{rep + 1}/{args.repeat}] N={n} {case:<5} {v:<10} {r['time']:6.2f} s = "
+                              f"{r['time'] / floor:.2f} x floor, seed tx {r['seed_tx'] / size:.2f} S, "
+                              f"busy {r['busy']:.0%}", file=sys.stderr, flush=True)
+    return runs, failed
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     ok, why = Testbed.available()
@@ -277,45 +340,29 @@ def main(argv=None) -> int:
         intro = (f"{size / (1 << 20):.0f} MiB synthetic checkpoint (S = {size} file bytes), p2pw chunks "
                  f"{'of ' + str(args.chunk_size >> 10) + ' KiB' if args.chunk_size else 'at the seeder default'}, "
                  f"libtorrent pieces of {args.piece_size >> 10} KiB ({'TCP+uTP' if args.bt_utp else 'TCP only'}), "
-                 f"medians of {args.repeat} run(s), {ncpu} CPUs; {_versions()}")
+                 f"medians of {args.repeat} run(s), {ncpu} CPUs; {_versions()}; the default plan is "
+                 f"{default_plan() or 'unknown'}")
         print(f"# broadcast: {intro}", file=sys.stderr, flush=True)
         for n in args.peers:
-            rate = args.rate
-            floor = size / (rate * 1e6 / 8)
-            runs = {(c, v): [] for c in args.cases for v in args.variants}
-            with Testbed(n + 1, rate_mbit=rate) as tb:
-                for rep in range(args.repeat):
-                    for case in args.cases:
-                        tb.set_rates(case_rates(case, rate, args.slow_hosts, args.slow_factor))
-                        order = args.variants if rep % 2 == 0 else args.variants[::-1]
-                        for v in order:
-                            try:
-                                r = one_run(tb, v, model, torrent, n, work, case, args)
-                            except fleet.CopyMismatch as exc:
-                                print(f"broadcast: COPY MISMATCH ({case}, {v}, N = {n}): {exc}", file=sys.stderr)
-                                return 1
-                            except fleet.RunFailed as exc:
-                                failed += 1
-                                r = {"error": str(exc)[:1500]}
-                                print(f"broadcast: FAILED {case} {v} N={n} rep {rep + 1}: {exc}", file=sys.stderr)
-                            r.update(case=case, variant=v, rep=rep, n=n)
-                            runs[(case, v)].append(r)
-                            raw.append(r)
-                            if "error" not in r:
-                                print(f"  [{rep + 1}/{args.repeat}] N={n} {case:<5} {v:<10} {r['time']:6.2f} s = "
-                                      f"{r['time'] / floor:.2f} x floor, seed tx {r['seed_tx'] / size:.2f} S, "
-                                      f"busy {r['busy']:.0%}", file=sys.stderr, flush=True)
+            try:
+                runs, fails = run_n(n, args, model, torrent, work, size)
+            except fleet.CopyMismatch as exc:
+                print(f"broadcast: COPY MISMATCH ({exc})", file=sys.stderr)
+                return 1
+            failed += fails
+            raw.extend(r for rs in runs.values() for r in rs)
             for case in args.cases:
-                slow = case_rates(case, rate, args.slow_hosts, args.slow_factor)
+                slow = case_rates(case, args.rate, args.slow_hosts, args.slow_factor)
                 for v in args.variants:
-                    summaries.append(summarize(runs[(case, v)], case, v, n, rate, slow, args))
+                    summaries.append(summarize(runs[(case, v)], case, v, n, args.rate, slow, args))
     floors = ", ".join(f"N = {s['n']}: {s['floor']:.2f} s" for s in summaries if s.get("floor"))
     text = (f"{intro}.\n\nfloor = S / B at {args.rate:g} Mbit/s"
             f" ({floors.split(', ')[0] if floors else 'n/a'}); t/floor is launch to the last exit 0"
             f" (kill: of the survivors).\n\n{MAIN_HEAD}\n" + "\n".join(main_rows(summaries)) +
             f"\n\nPer host (medians; seconds since launch; slow/other hosts worst = that group's last exit / floor; "
             f"joined by = last join()/session start, first chunk = median first verified chunk, last chunk = last "
-            f"verified chunk, from the receivers' --report):\n\n{DETAIL_HEAD}\n" + "\n".join(detail_rows(summaries)) + "\n")
+            f"verified chunk, from the receivers' --report):\n\n{DETAIL_HEAD}\n"
+            + "\n".join(detail_rows(summaries)) + "\n")
     print(text)
     if args.md:
         cmd = "sudo .venv/bin/python bench/broadcast.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -118,7 +118,10 @@ def _tail(path: Path, n: int = 1500) -> str:
 
 def _reap(p: subprocess.Popen) -> tuple[int, float] | None:
     """(exit code, user+sys CPU seconds) if p has exited, else None; reaps it."""
-    pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+    try:
+        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+    except ChildProcessError:  # already reaped (the testbed's teardown on a signal)
+        return (p.returncode if p.returncode is not None else -signal.SIGKILL), 0.0
     if not pid:
         return None
     p.returncode = os.waitstatus_to_exitcode(status)
@@ -138,7 +141,10 @@ def _stop(p: subprocess.Popen, timeout: float = 30) -> tuple[int, float]:
             return got
         time.sleep(0.02)
     p.kill()
-    _, status, ru = os.wait4(p.pid, 0)
+    try:
+        _, status, ru = os.wait4(p.pid, 0)
+    except ChildProcessError:
+        return (p.returncode if p.returncode is not None else -signal.SIGKILL), 0.0
     p.returncode = os.waitstatus_to_exitcode(status)
     return p.returncode, ru.ru_utime + ru.ru_stime
 
@@ -190,7 +196,8 @@ def _timed(tb: Testbed, model: str, n: int, work: Path, tag: str, seeder, receiv
                 break
             now = time.monotonic()
             if now - t0 > timeout:
-                raise RunFailed(f"hosts {[r.host for r in live]} still running after {timeout:.0f} s: "
+                killed = f" (h{killer.host} killed at {killer.at_s:.1f} s)" if killer and killer.host else ""
+                raise RunFailed(f"hosts {[r.host for r in live]} still running after {timeout:.0f} s{killed}: "
                                 f"{_tail(live[0].log)}")
             if killer and killer.host is None and now >= next_counters:
                 next_counters = now + KILL_POLL

@@ -91,8 +91,8 @@ def _teardown_live() -> None:
 
 
 def _on_signal(signum, frame):
+    prev = _prev_handlers.get(signum, signal.SIG_DFL)  # before teardown: the last close() restores them
     _teardown_live()
-    prev = _prev_handlers.get(signum, signal.SIG_DFL)
     if callable(prev):
         return prev(signum, frame)
     if prev == signal.SIG_IGN:
