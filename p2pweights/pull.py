@@ -145,8 +145,21 @@ class PullScheduler:
         return back
 
     def set_plan(self, plan: list[int | None]) -> None:
-        """The planned source (partner rank) of each stripe."""
+        """The planned source (partner rank) of each stripe.
+
+        A stripe's requests still waiting at its former source are withdrawn
+        there (a copy already on its way is still taken) and asked of the new one."""
         self.dirty = True
+        for s, (old, new) in enumerate(zip(self.plan, plan)):
+            lk = self.links.get(old) if old is not None and old != new else None
+            if lk is None:
+                continue
+            moved = sorted(i for i in lk.outstanding if self.stripe_of[i] == s and i not in lk.helping)
+            for i in moved:
+                del lk.outstanding[i]
+                self._unask(i, lk.rank)
+            if moved:
+                self._withdraw(lk, moved)
         self.plan = list(plan)
 
     # ----- chunks ------------------------------------------------------------

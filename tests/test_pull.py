@@ -161,3 +161,13 @@ def test_endgame_never_asks_the_seeder_for_a_duplicate():
     clock.t = 10.0
     s.stalled()
     assert asked(s) == {}
+
+
+def test_a_new_plan_withdraws_a_stripe_from_its_former_source():
+    s, _ = sched(n=8, stripes=2, plan=(0, 0), links={0: "11111111", 2: "11111111"}, window=4)
+    assert asked(s) == {0: [0, 1, 2, 3]}
+    s.set_plan([0, 2])  # stripe 1 moves to peer 2 (an adoption)
+    assert s.take_cancels() == [(0, [1, 3])]
+    got = asked(s)
+    assert got[2][:2] == [1, 3]
+    assert s.expects(0, 1)  # a copy the seeder already sent is still taken
