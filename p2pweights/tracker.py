@@ -23,7 +23,7 @@ from .topology import live_parent
 ROOT = 0
 PARTNERS = 4  # partners a joiner is given besides its planned parents
 MAX_PARTNERS = 8  # partners one peer is given in all (newcomers also partner with earlier peers)
-SLOW_FRACTION = 0.4  # a host delivering below this share of the fleet's median uplink is demoted
+SLOW_FRACTION = 0.33  # a host delivering below this share of the fleet's median uplink is demoted
 SLOW_EVIDENCE = 3  # consecutive rate reviews (one a second) that must find a host slow before it is demoted
 
 
@@ -121,7 +121,8 @@ class Tracker:
             m = self.members.get(rank)
             if m is not None and not m.left:
                 m.parents[stripe] = self.topology.parent[stripe][rank]
-                self.moved.append(rank)
+                if not m.done:  # a done peer pulls nothing: no need to tell it
+                    self.moved.append(rank)
 
     def take_moved(self) -> list[int]:
         """Ranks whose parents or partners changed since the last call (each must be told)."""
