@@ -231,7 +231,7 @@ class Forest:
                 del self.parent[s][c]
                 moves.append(self._move(c, s))
         del self.group[rank], self.slots[rank]
-        return _unique(moves + self._settle())
+        return _unique(moves + self._balance_groups() + self._settle())
 
     def demote(self, rank: int) -> list[tuple[int, int]]:
         """``rank``'s uplink is too slow to forward: make it a leaf everywhere; returns the moves."""
@@ -240,7 +240,21 @@ class Forest:
             return []
         self.group[rank], self.slots[rank] = None, 0
         moves = [self._move(c, g) for c in sorted(self.kids[g][rank])]
-        return _unique(moves + self._settle())
+        return _unique(moves + self._balance_groups() + self._settle())
+
+    def _balance_groups(self) -> list[tuple[int, int]]:
+        """Keep the groups' forwarder counts within one of each other (after a demotion or a
+        departure): the forwarder with the fewest children in the largest group changes stripe."""
+        moves = []
+        while True:
+            count = [sum(1 for r, g in self.group.items() if g == s) for s in range(self.k)]
+            big, small = max(range(self.k), key=count.__getitem__), min(range(self.k), key=count.__getitem__)
+            if count[big] - count[small] < 2:
+                return moves
+            r = min((r for r, g in self.group.items() if g == big),
+                    key=lambda r: (self.load(r, big), -self.depth[big][r], -r))
+            self.group[r] = small
+            moves.extend(self._move(c, big) for c in sorted(self.kids[big][r]))
 
     @classmethod
     def settled(cls, k: int, n: int, slots=None) -> list[list[int]]:
