@@ -396,7 +396,7 @@ def _hello(sock, addr: str, hello: dict, timeout: float, key):
 def _welcome_manifest(event, addr: str, model_id: str | None) -> Manifest:
     """Check a WELCOME's tree fields and return its manifest (pinned to ``model_id`` if given)."""
     stripes, parents = event.fields["stripes"], event.fields["parents"]
-    if not 1 <= stripes <= MAX_STRIPES or len(parents) != stripes or not all(
+    if not 1 <= stripes <= MAX_STRIPES or len(parents) > stripes or not all(
             isinstance(p, dict) and isinstance(p.get("addr"), str) and p.get("stripe") in range(stripes)
             and isinstance(p.get("rank"), int) for p in parents):
         raise P2PError(f"{addr} sent a malformed WELCOME: {stripes} stripes, parents {str(parents)[:200]}")

@@ -142,5 +142,5 @@ def _trees(peers: dict) -> list[dict[int, list[int]]]:
         for stripe, p in enumerate(m["parents"]):
             while len(trees) <= stripe:
                 trees.append({})
-            trees[stripe].setdefault(p, []).append(int(rank))
+            trees[stripe].setdefault("partners" if p is None else p, []).append(int(rank))
     return trees

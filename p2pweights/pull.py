@@ -12,8 +12,11 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
 1. chunks a waiter asked for (``prioritize``: ``wait_range`` / ``wait_tensor``),
    lowest index first, from any holder;
 2. the link's planned share: the chunks of the stripes whose planned source it
-   is, in index order, asked even before the source holds them (it parks them
-   and forwards each the moment it is verified, so a tree pipelines);
+   is, in index order, up to ``PARK_AHEAD`` asked before the source holds them
+   (it parks them and forwards each the moment it is verified, so a tree
+   pipelines); a stripe whose planned source is gone (or that has none: every
+   slot is taken) is shared by the partners that hold it, and by the seeder
+   what no partner holds;
 3. help: chunks of a stripe whose planned source lags behind what
    the other partners hold (``LAG_CHUNKS``) or is much slower than the other
    links (``SLOW_LINK``), taken from partners that hold them, rarest first
@@ -49,8 +52,8 @@ STALL_WINDOWS = 4  # a request is stalled after this many windows' worth of time
 PARK_AHEAD = 2  # chunks a planned source is asked for before it holds them (it forwards them at once)
 ENDGAME_LATE = 2.0  # a request this many times later than its link's queue explains is overdue
 ENDGAME_PER_LINK = 2  # endgame duplicates one link carries at once
-SEEDER = 0  # rank of the seeder: helps only a stripe whose planned source is gone, so its uplink
-#             carries each chunk about once
+SEEDER = 0  # rank of the seeder: serves beyond its planned stripes only what no partner holds,
+#             so its uplink carries each chunk about once
 
 
 @dataclass
@@ -233,9 +236,11 @@ class PullScheduler:
         for lk in ready:  # 1. waiters first, from whoever holds them
             self._ask(lk, self._pick(lk, self.urgent & lk.holds, lk.free()), out)
         lagging, orphaned = self._help_mask()
+        peers_hold = self._peers_hold()
         for lk in sorted(ready, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
+            mine = orphaned & lk.holds if lk.rank != SEEDER else orphaned & (peers_hold == 0)
             mask = self._planned_mask(lk.rank)
-            mask = orphaned & lk.holds if mask is None else mask | (orphaned & lk.holds)
+            mask = mine if mask is None else mask | mine
             self._ask(lk, self._pick(lk, mask, lk.free(), park=PARK_AHEAD), out)
         lagging &= ~orphaned
         if lagging.any():  # 3. a stripe whose planned source lags: partners help, a few chunks each
@@ -285,6 +290,11 @@ class PullScheduler:
 
     # ----- internals ---------------------------------------------------------
 
+    def _peers_hold(self) -> np.ndarray:
+        """How many ready partners other than the seeder hold each chunk."""
+        seeder = self.links.get(SEEDER)
+        return self.holders - (seeder.holds if seeder is not None and seeder.ready else 0)
+
     def _wanted(self) -> np.ndarray:
         return ~self.have & ~self.inflight
 
@@ -303,8 +313,7 @@ class PullScheduler:
         subset whose planned source is gone (which the seeder may serve too)."""
         mask, orphaned = np.zeros(self.n, bool), np.zeros(self.n, bool)
         self.movable[:] = False
-        seeder = self.links.get(SEEDER)
-        peers_hold = self.holders - (seeder.holds if seeder is not None and seeder.ready else 0)
+        peers_hold = self._peers_hold()
         for s, rank in enumerate(self.plan):
             src = self.links.get(rank) if rank is not None else None
             in_stripe = self.stripe_of == s

@@ -224,8 +224,7 @@ class Forest:
             return []
         moves = []
         for s in range(self.k):
-            p = self.parent[s].pop(rank)
-            self.kids[s][p].discard(rank)
+            self._detach(rank, s)
             self.depth[s].pop(rank)
             for c in sorted(self.kids[s].pop(rank)):
                 del self.parent[s][c]
@@ -296,13 +295,20 @@ class Forest:
 
     # ----- internals ---------------------------------------------------------
 
-    def _attach(self, rank: int, s: int, parent: int) -> None:
+    def _attach(self, rank: int, s: int, parent: int | None) -> None:
+        """``rank`` pulls stripe ``s`` from ``parent``; None: from no planned source (every slot is
+        taken: its partners share the stripe until a slot frees up)."""
         self.parent[s][rank] = parent
+        if parent is None:
+            self._set_depth(rank, s, UNPLACED)
+            return
         self.kids[s][parent].add(rank)
         self._set_depth(rank, s, self.depth[s][parent] + 1)
 
     def _detach(self, rank: int, s: int) -> None:
-        self.kids[s][self.parent[s].pop(rank)].discard(rank)
+        parent = self.parent[s].pop(rank)
+        if parent is not None:
+            self.kids[s][parent].discard(rank)
 
     def _move(self, rank: int, s: int, to: int | None = None) -> tuple[int, int]:
         """Re-attach ``rank`` (with its subtree) in stripe ``s``: under ``to``, else the best parent."""
@@ -326,17 +332,12 @@ class Forest:
             todo.extend(self.kids[s].get(r, ()))
         return out
 
-    def _best_parent(self, s: int, exclude: set) -> int:
-        """The shallowest parent with a free slot in stripe ``s``, else the least overloaded
-        (the seeder last: it sends each chunk once)."""
-        cands = [r for r in self.kids[s] if r not in exclude and self.capacity(r, s) > 0]
-        if not cands:
-            return 0
-
-        def key(r):
-            full = self.load(r, s) >= self.capacity(r, s)
-            return full, full and r == 0, self.load(r, s) - self.capacity(r, s), self.depth[s][r], r
-        return min(cands, key=key)
+    def _best_parent(self, s: int, exclude: set) -> int | None:
+        """The shallowest placed parent with a free slot in stripe ``s``; None when every slot is
+        taken (nobody is overloaded: the uplinks are balanced, partners carry the rest)."""
+        cands = [r for r in self.kids[s] if r not in exclude and self.load(r, s) < self.capacity(r, s)
+                 and self.depth[s].get(r, UNPLACED) < UNPLACED]
+        return min(cands, key=lambda r: (self.depth[s][r], r), default=None)
 
     def _settle(self) -> list[tuple[int, int]]:
         """Restore the invariants after a change; returns the moves.
@@ -346,7 +347,7 @@ class Forest:
         moves = []
         for s in range(self.k):
             for _ in range(4 * len(self.kids[s])):  # each step strictly improves; bound it anyway
-                step = self._swap_up(s) or self._unload(s)
+                step = self._swap_up(s) or self._unload(s) or self._place_unplaced(s)
                 if not step:
                     break
                 moves.extend(step)
@@ -369,6 +370,15 @@ class Forest:
         self._attach(leaf, s, down if down != leaf else deep)
         return [(deep, s), (leaf, s)]
 
+    def _place_unplaced(self, s: int) -> list[tuple[int, int]]:
+        """A peer without a planned source in stripe ``s`` takes a slot that freed up."""
+        for r in sorted((r for r, p in self.parent[s].items() if p is None),
+                        key=lambda r: (not self.interior_in(r, s), r)):
+            dst = self._best_parent(s, exclude=self._subtree(r, s))
+            if dst is not None:
+                return [self._move(r, s, to=dst)]
+        return []
+
     def _unload(self, s: int) -> list[tuple[int, int]]:
         over = [r for r in self.kids[s] if self.load(r, s) > self.capacity(r, s)]
         free = sorted((r for r in self.kids[s] if self.load(r, s) < self.capacity(r, s)),
@@ -377,12 +387,16 @@ class Forest:
             for child in sorted(self.kids[s][src], key=lambda c: (bool(self.kids[s][c]), -c)):
                 subtree = self._subtree(child, s)
                 dst = next((r for r in free if r not in subtree), None)
-                if dst is None and src == 0:  # the seeder sends each chunk once: a peer takes one more instead
-                    dst = self._best_parent(s, exclude=subtree | {0})
-                    dst = dst if dst != 0 else None
                 if dst is not None and (src == 0 or self.depth[s][dst] <= self.depth[s][src] + 1):
                     return [self._move(child, s, to=dst)]
+                if dst is None and not self.kids[s][child]:  # no slot: it pulls from partners instead
+                    self._detach(child, s)
+                    self._attach(child, s, None)
+                    return [(child, s)]
         return []
+
+
+UNPLACED = 1 << 20  # the depth of a peer without a planned source in a stripe
 
 
 def _unique(moves: list) -> list:

@@ -156,7 +156,8 @@ class Tracker:
         return [live_parent(self.topology, rank, s, alive) for s in range(self.topology.stripes)]
 
     def parent_addrs(self, member: Member) -> list[dict]:
-        return [{"rank": p, "addr": self.listen_of(p), "stripe": s} for s, p in enumerate(member.parents)]
+        return [{"rank": p, "addr": self.listen_of(p), "stripe": s} for s, p in enumerate(member.parents)
+                if p is not None]  # None: no planned source there (every slot taken): partners share it
 
     def partner_addrs(self, member: Member) -> list[dict]:
         return [{"rank": p, "addr": self.listen_of(p)} for p in member.partners
