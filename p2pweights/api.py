@@ -23,7 +23,7 @@ from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, Manifest
 from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
 from .store import Store, StoreClosed, host_buffer
-from .formats import checkpoint_files
+from .formats import checkpoint_files, scan as scan_checkpoint
 from .source import BlobSource
 from .topology import make as make_topology
 from .tracker import Tracker
@@ -66,9 +66,12 @@ class Seeder:
     def __init__(self, path, *, port: int = DEFAULT_PORT, host: str = "0.0.0.0",
                  chunk_size: int = DEFAULT_CHUNK_SIZE, topology: str = DEFAULT_PLAN, hash: str = "xxh3_64",
                  advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
-                 max_peers: int = 10_000, manifest: str | None = None,
+                 max_peers: int = 10_000, manifest: str | None = None, exclude=(),
                  s3_concurrency: int = 16, s3_range_size: int = 8 << 20):
         self.path = os.fspath(path)
+        self.exclude = tuple(exclude)
+        # entries not served (SKIPPED_DIRS, ``exclude``); an object store's listing skips them silently
+        self.skipped = [] if self.path.startswith("s3://") else scan_checkpoint(path, self.exclude).skipped
         self.key = key
         self.topology = make_topology(topology)  # a bad name fails before the scan
         t0 = time.monotonic()
@@ -80,8 +83,10 @@ class Seeder:
             known = self.s3.check(_read_manifest(manifest), manifest) if manifest else None
             scan, open_source = self.s3.build, self.s3.source
         else:
-            known = self._published(path, manifest) if manifest else catalog.lookup(path, chunk_size, hash)
-            scan, open_source = (lambda *a, **kw: build(path, *a, **kw)), (lambda files: BlobSource(path, files))
+            known = (self._published(path, manifest, self.exclude) if manifest
+                     else catalog.lookup(path, chunk_size, hash, self.exclude))
+            scan = lambda *a, **kw: build(path, *a, exclude=self.exclude, **kw)  # noqa: E731
+            open_source = lambda files: BlobSource(path, files)  # noqa: E731
         if known is not None:  # hashed before (a restart, a published manifest): serve now, read as peers ask
             self.manifest, self.scanned = known, 0
             self.store = Store(known)
@@ -89,7 +94,7 @@ class Seeder:
         else:
             self.manifest, self.scanned, buffer = scan(chunk_size, hash, into=host_buffer)
             if self.s3 is None:
-                catalog.remember(path, self.manifest)
+                catalog.remember(path, self.manifest, self.exclude)
             self.store = Store(self.manifest, buffer)
             self.store.hold_all()
         self.scan_seconds = time.monotonic() - t0
@@ -115,10 +120,10 @@ class Seeder:
         return self.manifest.model_id
 
     @staticmethod
-    def _published(path, manifest_path: str) -> Manifest:
+    def _published(path, manifest_path: str, exclude=()) -> Manifest:
         """A manifest built earlier (``p2pw manifest PATH -o M``) that matches the files at ``path``."""
         m = _read_manifest(manifest_path)
-        on_disk = {name: size for name, _, size in checkpoint_files(path)}
+        on_disk = {name: size for name, _, size in checkpoint_files(path, exclude)}
         for f in m.files:
             have = on_disk.get(f["name"])
             if have != f["size"]:
