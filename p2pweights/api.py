@@ -22,7 +22,7 @@ from .cache import DiskCache
 from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, ManifestError, build, check_model_id
 from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
-from .store import Store, StoreClosed, host_buffer
+from .store import SourceStore, Store, StoreClosed, blob_backing
 from .formats import checkpoint_files, scan as scan_checkpoint
 from .source import BlobSource
 from .topology import make as make_topology
@@ -89,13 +89,16 @@ class Seeder:
             open_source = lambda files: BlobSource(path, files)  # noqa: E731
         if known is not None:  # hashed before (a restart, a published manifest): serve now, read as peers ask
             self.manifest, self.scanned = known, 0
-            self.store = Store(known)
+            self.store = Store(known) if self.s3 is not None else SourceStore.open(known, path)
             self.source = open_source(known.files)
         else:
-            self.manifest, self.scanned, buffer = scan(chunk_size, hash, into=host_buffer)
-            if self.s3 is None:
+            if self.s3 is not None:  # no local files to map: memory, or a temp file over the memory budget
+                self.manifest, self.scanned, buffer = scan(chunk_size, hash, into=blob_backing)
+                self.store = Store(self.manifest, buffer)
+            else:  # hash every chunk, reading each byte from storage once; the mapping serves the page cache
+                self.manifest, self.scanned, _ = scan(chunk_size, hash)
                 catalog.remember(path, self.manifest, self.exclude)
-            self.store = Store(self.manifest, buffer)
+                self.store = SourceStore.open(self.manifest, path)
             self.store.hold_all()
         self.scan_seconds = time.monotonic() - t0
         if topology.strip().lower().startswith("auto"):  # now the chunk count is known: choose with it
@@ -134,8 +137,9 @@ class Seeder:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes read from storage: the scan, or (restarted from the catalog) what peers asked for."""
-        return self.scanned + (self.source.bytes_read if self.source is not None else 0)
+        """Bytes read from storage: the scan (or, restarted from the catalog, what peers asked for), plus pages
+        the kernel dropped from the page cache and sending read again (``SourceStore.reread``)."""
+        return self.scanned + (self.source.bytes_read if self.source is not None else 0) + self.store.reread
 
     @property
     def stats(self):
@@ -166,6 +170,7 @@ class Seeder:
         if self.gate is not None:
             self.gate.stop()
         self.ctx.term()
+        self.store.close()
 
     def __enter__(self):
         return self

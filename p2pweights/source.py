@@ -133,12 +133,15 @@ class ReadAhead:
     """Reads requested chunks (and the next few after them) from storage in a background thread.
 
     A seeder restarted from the catalog serves chunks it has not read yet: the
-    node asks ``want(index)``; this thread reads the chunk into the store's
-    buffer, verifies it against the manifest, and reports ``on_ready(index,
-    ok)``, reading ``ahead`` chunks past each request (or as many as the
-    source says pay, for one that reads them in parallel) so storage streams
-    while the network sends.  Only chunks the store does not hold are written,
-    and nobody reads a chunk before it is published, so no lock guards the buffer.
+    node asks ``want(index)``; this thread reads the chunk, verifies it
+    against the manifest, and reports ``on_ready(index, ok)``, reading
+    ``ahead`` chunks past each request (or as many as the source says pay,
+    for one that reads them in parallel) so storage streams while the network
+    sends.  A store that maps the source files themselves (``writable`` False)
+    is read into one scratch buffer, only to verify: the read leaves the bytes
+    in the page cache the mapping serves from.  Otherwise chunks land in the
+    store's buffer; only chunks it does not hold are written, and nobody reads
+    a chunk before it is published, so no lock guards the buffer.
     """
 
     def __init__(self, source: BlobSource, store, on_ready, ahead: int = 8, on_exit=None):
@@ -147,8 +150,17 @@ class ReadAhead:
         self.digest = chunk_hasher(store.manifest.hash)
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.done = np.zeros(store.manifest.n_chunks, dtype=bool)  # read (or tried) by this thread
+        mapped = not getattr(store, "writable", True)  # the store maps these very files: read only to verify
+        self.scratch = memoryview(bytearray(store.manifest.chunk_size)) if mapped else None
         self.thread = threading.Thread(target=self._run, name="p2pw-readahead", daemon=True)
         self.thread.start()
+
+    def view_of(self, index: int) -> memoryview:
+        """Where chunk ``index`` is read: the store's buffer, or the scratch buffer (one chunk at a time)."""
+        if self.scratch is None:
+            return self.store.chunk(index)
+        lo, hi = self.store.manifest.chunk_span(index)
+        return self.scratch[: hi - lo]
 
     def want(self, index: int) -> None:
         self.requests.put(index)
@@ -167,5 +179,5 @@ class ReadAhead:
             todo = [i for i in range(index, min(index + 1 + self.ahead, n))
                     if not self.done[i] and not self.store.has(i)]
             self.done[todo] = True
-            for i, ok in self.source.read_chunks(self.store.manifest, todo, self.store.chunk, self.digest):
+            for i, ok in self.source.read_chunks(self.store.manifest, todo, self.view_of, self.digest):
                 self.on_ready(i, ok)
