@@ -298,6 +298,9 @@ class Download:
         if self.gate is not None:
             self.gate.stop()
         self.node.ctx.term()
+        if self.cache is not None:
+            self.cache.close()
+        self.store.close()
 
     def __enter__(self):
         return self
@@ -420,11 +423,16 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
          connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
          key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT,
-         give_up_after: float = GIVE_UP_AFTER) -> Download:
+         give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None) -> Download:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.
-    ``out``: write the checkpoint's files there.  ``model_id``: refuse any
+    ``out``: write the checkpoint's files there; they are the store (mapped),
+    each final as soon as it is verified, ``out/.p2pw/complete.json`` once all
+    are; a copy whose marker matches is served at once, unless ``verify='full'``
+    (re-hash what is there).  Without ``out``, the blob lives in memory, or in
+    an unlinked temporary file when larger than ``memory_budget`` bytes
+    (default: half the memory available).  ``model_id``: refuse any
     other checkpoint.  ``connect_timeout``: how long to keep trying a parent
     that is not up yet.  ``parent_timeout``: a parent silent this long is
     given up for another (the tracker names it).  ``give_up_after``: fail once
@@ -455,11 +463,15 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     me = advertise or local_ip_towards(p_host)
     peer_id = peer_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id}
+    cache = None
     try:
         link, tracker_addr, welcome, manifest = _handshake(ctx, parent, hello, model_id, connect_timeout, key)
-        store = Store(manifest)
-        cache = DiskCache(manifest, out) if out else None
+        # with out, the destination files are the store (mapped); else memory, or a temp file over the budget
+        cache = DiskCache(manifest, out, verify=verify) if out else None
+        store = Store(manifest, cache.filemap.buffer if cache is not None
+                      else blob_backing(manifest.total_size, memory_budget))
     except Exception:
+        cache and cache.close()
         router.close(0)
         gate and gate.stop()
         ctx.destroy(0)
@@ -488,7 +500,10 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     for index in recovered:  # chunks an earlier run left on disk: verified again, never fetched again
         store.verified(index)
     node.stats.resumed = len(recovered)
-    if recovered:
+    if cache is not None and cache.complete:
+        log.warning("%s already holds model %s, complete (its marker matches): serving it, fetching nothing",
+                    out, manifest.model_id[:16])
+    elif recovered:
         log.warning("resumed from %s: %d of %d chunks on disk verified; fetching the rest",
                     out, len(recovered), manifest.n_chunks)
     node.start()

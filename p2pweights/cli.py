@@ -189,7 +189,8 @@ def cmd_join(args) -> int:
     http = start_ops(args, starting="connecting")
     dl = join(args.parent, out=args.out, port=args.port, host=args.host, advertise=args.advertise,
               model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device,
-              parent_timeout=args.parent_timeout, give_up_after=args.give_up_after,
+              parent_timeout=args.parent_timeout, give_up_after=args.give_up_after, verify=args.verify,
+              memory_budget=args.memory_budget,
               key=load_key(args.key))
     bind(http, dl)
     bar = None if args.quiet else Progress(dl, every=args.progress_every)
@@ -389,6 +390,12 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--give-up-after", type=float, default=300.0, metavar="S",
                    help="exit 1 once no chunk arrived from anyone for S seconds (the seeder and every holder "
                         "gone), keeping verified chunks for a resume (default 300)")
+    j.add_argument("--verify", choices=("marker", "full"), default="marker",
+                   help="marker (default): a copy in --out whose .p2pw/complete.json matches the model is served "
+                        "as it is; full: re-hash every chunk on disk first")
+    j.add_argument("--memory-budget", type=size, metavar="SIZE",
+                   help="without --out, a blob larger than this is kept in a temporary file, not memory "
+                        "(default: half the memory available)")
     j.add_argument("--report", help="write a JSON summary to this file")
     j.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     j.add_argument("--device", help="stream chunks into one buffer on this torch device (cpu, cuda:N) "
