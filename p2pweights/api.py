@@ -24,7 +24,7 @@ from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_rout
 from .protocol import Msg, ProtocolError
 from .store import SourceStore, Store, StoreClosed, blob_backing
 from .formats import checkpoint_files, scan as scan_checkpoint
-from .source import BlobSource
+from .source import BlobSource, storage_read_bytes
 from .topology import make as make_topology
 from .tracker import Tracker
 
@@ -101,6 +101,7 @@ class Seeder:
                 self.store = SourceStore.open(self.manifest, path)
             self.store.hold_all()
         self.scan_seconds = time.monotonic() - t0
+        self.io_at_serve = storage_read_bytes()  # from here on, storage reads are pages sending read again
         if topology.strip().lower().startswith("auto"):  # now the chunk count is known: choose with it
             self.topology = make_topology(topology, chunks=self.manifest.n_chunks)
         self.ctx = zmq.Context()
@@ -137,9 +138,19 @@ class Seeder:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes read from storage: the scan (or, restarted from the catalog, what peers asked for), plus pages
-        the kernel dropped from the page cache and sending read again (``SourceStore.reread``)."""
-        return self.scanned + (self.source.bytes_read if self.source is not None else 0) + self.store.reread
+        """Bytes read from storage: the scan (or, restarted from the catalog, what peers asked for), plus what
+        sending from the mapped files read again because the kernel had dropped those pages (``reread``)."""
+        return self.scanned + (self.source.bytes_read if self.source is not None else 0) + self.reread
+
+    @property
+    def reread(self) -> int:
+        """Bytes read from storage again by sending (the kernel's count for this process, less the scan and the
+        read-ahead thread, whose reads are counted as they are made); 0 where the kernel keeps no count."""
+        now = storage_read_bytes()
+        if now is None or self.io_at_serve is None:
+            return 0
+        reader = getattr(self.node, "reader", None)
+        return max(now - self.io_at_serve - (reader.storage_read if reader is not None else 0), 0)
 
     @property
     def stats(self):

@@ -19,6 +19,21 @@ from .errors import UserError
 from .manifest import chunk_hasher, file_segments
 
 
+def storage_read_bytes(scope: str = "self") -> int | None:
+    """Bytes this process (``scope='self'``) or thread (``'thread-self'``) had the kernel read from storage.
+
+    Block I/O only, from /proc/SCOPE/io: page cache hits are not counted, so a
+    chunk sent from a mapping whose pages are cached costs nothing here, and
+    one whose pages the kernel dropped counts what was read again.  None
+    where the kernel does not keep the count.
+    """
+    try:
+        with open(f"/proc/{scope}/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 class SourceError(UserError, OSError):
     """The checkpoint's files no longer match their file table (truncated, removed, unreadable)."""
 
@@ -152,6 +167,7 @@ class ReadAhead:
         self.done = np.zeros(store.manifest.n_chunks, dtype=bool)  # read (or tried) by this thread
         mapped = not getattr(store, "writable", True)  # the store maps these very files: read only to verify
         self.scratch = memoryview(bytearray(store.manifest.chunk_size)) if mapped else None
+        self.storage_read = 0  # bytes this thread had read from storage (its reads are the source's to count)
         self.thread = threading.Thread(target=self._run, name="p2pw-readahead", daemon=True)
         self.thread.start()
 
@@ -170,6 +186,7 @@ class ReadAhead:
 
     def _run(self) -> None:
         n = self.store.manifest.n_chunks
+        base = storage_read_bytes("thread-self") or 0
         while True:
             index = self.requests.get()
             if index is None:
@@ -181,3 +198,4 @@ class ReadAhead:
             self.done[todo] = True
             for i, ok in self.source.read_chunks(self.store.manifest, todo, self.view_of, self.digest):
                 self.on_ready(i, ok)
+            self.storage_read = (storage_read_bytes("thread-self") or base) - base

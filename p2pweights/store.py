@@ -29,7 +29,6 @@ PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -88,17 +87,6 @@ class FileMap:
         except BaseException:
             self.buffer.close()
             raise
-
-    def absent_bytes(self, lo: int, hi: int) -> int:
-        """Bytes of blob range [lo, hi) whose pages are not in memory (a read of them goes to storage)."""
-        a, b = lo - lo % PAGE, align_page(hi)
-        if b <= a:
-            return 0
-        vec = np.zeros((b - a) // PAGE, dtype=np.uint8)
-        if _libc.mincore(self.base + a, b - a, vec.ctypes.data) != 0:
-            return 0
-        absent = int(np.count_nonzero((vec & 1) == 0))
-        return min(absent * PAGE, hi - lo)
 
 
 def align_page(n: int) -> int:
@@ -286,21 +274,14 @@ class Store:
 
 
 class SourceStore(Store):
-    """A seeder's store: its source files mapped read-only, every chunk verified by the scan.
+    """A seeder's store: its source files mapped read-only.
 
-    The scan read each byte from storage once (``preadv``, counted by the
-    source) and left it in the page cache, where these mappings find it: a
-    chunk sent to a child is read from memory, not storage.  A page the
-    kernel dropped since is read from storage again when sent: ``reread``
-    counts those bytes (``mincore`` before each send), so ``Seeder.bytes_read``
-    stays the bytes really read.
+    The scan read each byte from storage once and left it in the page cache,
+    where these mappings find it: a chunk sent to a child is read from
+    memory, not storage.  Pages the kernel dropped since are read from
+    storage again by the send; the seeder counts those reads from the
+    kernel's own I/O accounting (``source.storage_read_bytes``).
     """
-
-    def __init__(self, manifest, filemap: FileMap, counts_rereads: bool = True):
-        super().__init__(manifest, filemap.buffer)
-        self.filemap = filemap
-        self.counts_rereads = counts_rereads  # mincore sees the page cache only for a file's owner or writer
-        self.reread = 0
 
     writable = False  # read-only mappings: nothing is ever written into this store
 
@@ -310,7 +291,7 @@ class SourceStore(Store):
         from .source import SourceError
 
         root = os.fspath(path)
-        fds, owned = [], True
+        fds = []
         try:
             for f in manifest.files:
                 full = os.path.join(root, f["name"]) if os.path.isdir(root) else root
@@ -319,18 +300,11 @@ class SourceStore(Store):
                 except OSError as e:
                     raise SourceError(f"cannot read {full}: {e.strerror}") from None
                 fds.append((fd, f["offset"], f["size"]))
-                st = os.fstat(fd)
-                if st.st_size != f["size"]:  # a mapping past the end of a file faults (SIGBUS): never serve one
-                    raise SourceError(f"{full} is {st.st_size} bytes, the manifest says {f['size']}: "
+                size = os.fstat(fd).st_size
+                if size != f["size"]:  # a mapping past the end of a file faults (SIGBUS): never serve one
+                    raise SourceError(f"{full} is {size} bytes, the manifest says {f['size']}: "
                                       "was it changed while being served?")
-                owned &= st.st_uid == os.geteuid() or os.geteuid() == 0 or os.access(full, os.W_OK)
-            return cls(manifest, FileMap(manifest.total_size, fds, writable=False), counts_rereads=owned)
+            return cls(manifest, FileMap(manifest.total_size, fds, writable=False).buffer)
         finally:
             for fd, _, _ in fds:
                 os.close(fd)
-
-    def chunk(self, index: int) -> memoryview:
-        lo, hi = self.manifest.chunk_span(index)
-        if self.counts_rereads and self.have[index]:
-            self.reread += self.filemap.absent_bytes(lo, hi)
-        return self.view[lo:hi]
