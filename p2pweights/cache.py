@@ -8,8 +8,9 @@ children from there, and the kernel writes the pages back.  Nothing copies
 the bytes a second time.  When every chunk covering a file is verified, a
 finisher thread fsyncs it and renames it to its final name (the blob layout
 puts small files first, so config and tokenizer are final within the first
-chunks); it also starts writeback of each verified chunk
-(``sync_file_range``), so dirty pages never pile up in a small memory cgroup.
+chunks).  For a blob larger than the memory budget it also starts writeback
+of verified chunks as they come (``sync_file_range``, 64 MiB at a time), so
+dirty pages never pile up, in a small memory cgroup or on a small host.
 After the last file, ``out/.p2pw/complete.json`` (model id, files with
 sizes and mtimes, bytes, time) is written atomically.  A file under its final
 name is always complete.
@@ -33,7 +34,7 @@ import time
 
 from .errors import UserError
 from .manifest import chunk_hasher
-from .store import FileMap, check_space
+from .store import FileMap, check_space, memory_budget
 
 PARTIAL = ".partial"
 STATE_DIR = ".p2pw"  # what p2pw keeps about a copy; a seeder never serves it
@@ -41,6 +42,7 @@ MARKER = "complete.json"
 PROGRESS = "progress.json"
 VERIFY_MODES = ("marker", "full")
 PROGRESS_EVERY = 0.25  # seconds between progress.json updates
+WRITE_BACK_EVERY = 64 << 20  # a blob over the memory budget starts writeback of every this many verified bytes
 SYNC_FILE_RANGE_WRITE = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -85,7 +87,7 @@ def read_marker(out: str) -> dict | None:
 class DiskCache:
     """The files of ``manifest`` under ``out`` as one mapped blob (``filemap``), finalised file by file."""
 
-    def __init__(self, manifest, out: str, verify: str = "marker", on_error=None):
+    def __init__(self, manifest, out: str, verify: str = "marker", on_error=None, write_back: bool | None = None):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
         self.manifest = manifest
@@ -100,6 +102,12 @@ class DiskCache:
         self.resuming = False
         self.complete = False  # the marker matched: every chunk is on disk and final
         self.chunks_done = self.bytes_done = 0
+        # a blob that fits the memory budget is left to the kernel's writeback (and the fsync as each file
+        # completes); a larger one starts writeback as it goes, so its dirty pages never fill memory
+        self.write_back = manifest.total_size > memory_budget() if write_back is None else write_back
+        self.unflushed: list[int] = []
+        self.unflushed_bytes = 0
+        self.left_total = manifest.n_chunks
         if verify == "marker" and self._marker_matches():
             self.complete = True
             self.final = [True] * len(manifest.files)
@@ -249,7 +257,7 @@ class DiskCache:
                 if item is None:
                     return
                 kind, n = item
-                if kind == "chunk":
+                if kind == "chunk" and self.write_back:
                     self._write_back(n)
                 elif kind == "file":
                     self._finish_file(n)
@@ -268,14 +276,28 @@ class DiskCache:
         self.finished.set()
 
     def _write_back(self, index: int) -> None:
-        """Start writeback of chunk ``index``'s pages now (not waiting for it): dirty pages stay few."""
-        lo, hi = self.manifest.chunk_span(index)
-        for i in self.chunk_files[index]:
+        """Start writeback (not waiting for it) of verified chunks, WRITE_BACK_EVERY bytes at a time."""
+        self.unflushed.append(index)
+        self.unflushed_bytes += self.manifest.chunk_size
+        if self.unflushed_bytes < WRITE_BACK_EVERY and self.left_total > len(self.unflushed):
+            return
+        ranges: dict[int, list[list[int]]] = {}  # file -> merged [a, b) ranges in file offsets
+        for index in sorted(self.unflushed):
+            lo, hi = self.manifest.chunk_span(index)
+            for i in self.chunk_files[index]:
+                f = self.manifest.files[i]
+                a, b = max(lo, f["offset"]) - f["offset"], min(hi, f["offset"] + f["size"]) - f["offset"]
+                spans = ranges.setdefault(i, [])
+                if spans and spans[-1][1] == a:
+                    spans[-1][1] = b
+                elif b > a:
+                    spans.append([a, b])
+        self.left_total -= len(self.unflushed)
+        self.unflushed, self.unflushed_bytes = [], 0
+        for i, spans in ranges.items():
             fd = self.fds.get(i)
-            f = self.manifest.files[i]
-            a, b = max(lo, f["offset"]), min(hi, f["offset"] + f["size"])
-            if fd is not None and b > a:
-                _libc.sync_file_range(fd, a - f["offset"], b - a, SYNC_FILE_RANGE_WRITE)
+            for a, b in spans if fd is not None else ():
+                _libc.sync_file_range(fd, a, b - a, SYNC_FILE_RANGE_WRITE)
 
     def _finish_file(self, i: int) -> None:
         """Every chunk of file ``i`` is verified: fsync it and give it its final name."""

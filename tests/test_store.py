@@ -65,7 +65,7 @@ def test_copy_files_final_one_by_one_then_the_marker(src, tmp_path):
     m, _, _ = build(src, CHUNK)
     data = blob(src, m)
     out = tmp_path / "out"
-    cache = DiskCache(m, out)
+    cache = DiskCache(m, out, write_back=True)  # writeback started as chunks verify (as for a blob over budget)
     store = Store(m, cache.filemap.buffer)
     store.sinks.append(cache)
     # preallocated under .partial names, blocks allocated; the empty file is final at once
