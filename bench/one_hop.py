@@ -76,15 +76,19 @@ def raw_receiver(port: int, total: int, chunk: int, fresh: bool) -> None:
     print(json.dumps({"seconds": secs}))
 
 
-def raw_file_receiver(port: int, total: int, chunk: int, directory: str) -> None:
-    """Receive the blob straight into a shared mapping of a preallocated file (what p2pw --out does)."""
+def raw_file_receiver(port: int, total: int, chunk: int, directory: str, sparse: bool = False) -> None:
+    """Receive the blob straight into a shared mapping of a preallocated file (what p2pw --out does), or of a
+    sparse one (``sparse``: ftruncate only, blocks allocated as pages are first written)."""
     import mmap
 
     import zmq
 
     path = os.path.join(directory, "raw-copy.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.posix_fallocate(fd, 0, total)
+    if sparse:
+        os.ftruncate(fd, total)
+    else:
+        os.posix_fallocate(fd, 0, total)
     buf = mmap.mmap(fd, total, flags=mmap.MAP_SHARED)
     view = memoryview(buf)
     ctx = zmq.Context()
@@ -155,8 +159,9 @@ def condition_memory(size: int) -> None:
     subprocess.run([sys.executable, "-c", f"import numpy; numpy.ones({3 * size}, numpy.uint8)"], check=True)
 
 
-def run_raw(path: str, total: int, chunk: int, port: int, fresh: bool = False, into_dir: str | None = None) -> float:
-    role = ["--role", "raw-recv-file", "--blob", into_dir] if into_dir else [
+def run_raw(path: str, total: int, chunk: int, port: int, fresh: bool = False, into_dir: str | None = None,
+            sparse: bool = False) -> float:
+    role = ["--role", "raw-recv-sparse" if sparse else "raw-recv-file", "--blob", into_dir] if into_dir else [
         "--role", "raw-recv-fresh" if fresh else "raw-recv"]
     recv = subprocess.Popen([sys.executable, __file__, *role,
                              "--port", str(port), "--size", str(total), "--chunk-size", str(chunk)],
@@ -207,6 +212,16 @@ def run_p2pw(path: str, chunk: int, port: int, out_dir: str | None, extra: list[
             seeder.wait(30)
 
 
+def print_memory(size: int, memory: dict) -> None:
+    print(f"\npeak memory (MiB) of a {size / 2**30:.2f} GiB one-hop run: VmHWM = peak RSS (page cache of mapped "
+          "files included), RssAnon = anonymous")
+    print(f"{'path':<16}{'seeder RSS':>11}{'seeder anon':>12}{'joiner RSS':>11}{'joiner anon':>12}")
+    for name, m in memory.items():
+        s_, j_ = m.get("seeder", {}), m.get("joiner", {})
+        print(f"{name:<16}{s_.get('VmHWM', 0) / 1024:>11.0f}{s_.get('RssAnon', 0) / 1024:>12.0f}"
+              f"{j_.get('VmHWM', 0) / 1024:>11.0f}{j_.get('RssAnon', 0) / 1024:>12.0f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=size, default=1 << 30)
@@ -216,6 +231,8 @@ def main() -> int:
     ap.add_argument("--curve", action="store_true", help="also time p2pw with CURVE on every link")
     ap.add_argument("--hash", default="", help="also time p2pw with these chunk hashes (comma-separated)")
     ap.add_argument("--memory", action="store_true", help="print peak RSS and RssAnon of seeder and joiner")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="only the memory table: one p2pw run in memory and one with --out, no timing rows")
     ap.add_argument("--port", type=int, default=17420)
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--blob", help=argparse.SUPPRESS)
@@ -223,8 +240,8 @@ def main() -> int:
     if args.role == "raw-send":
         raw_sender(args.port, args.blob, args.chunk_size)
         return 0
-    if args.role == "raw-recv-file":
-        raw_file_receiver(args.port, args.size, args.chunk_size, args.blob)
+    if args.role in ("raw-recv-file", "raw-recv-sparse"):
+        raw_file_receiver(args.port, args.size, args.chunk_size, args.blob, sparse=args.role == "raw-recv-sparse")
         return 0
     if args.role in ("raw-recv", "raw-recv-fresh"):
         raw_receiver(args.port, args.size, args.chunk_size, fresh=args.role == "raw-recv-fresh")
@@ -238,6 +255,12 @@ def main() -> int:
                 n = min(left, 64 << 20)
                 f.write(os.urandom(n))
                 left -= n
+        if args.memory_only:
+            memory = {}
+            for name, out in (("p2pw", None), ("p2pw --out", os.path.join(tmp, "copy"))):
+                run_p2pw(blob, args.chunk_size, args.port + 1, out, [], memory=memory.setdefault(name, {}))
+            print_memory(args.size, memory)
+            return 0
         variants = {"p2pw": ([], [])}  # row name -> (arguments for seed and join, for seed only)
         if args.curve:
             key = os.path.join(tmp, "key")
@@ -249,6 +272,7 @@ def main() -> int:
         rows = {"raw pyzmq": [], "raw, fresh buf": [], **{name: [] for name in variants}}
         if args.disk:
             rows["raw, file map"] = []
+            rows["raw, sparse map"] = []
             rows["p2pw --out"] = []
         memory: dict[str, dict] = {}
         # Warm-up, not counted: on a VM, guest memory touched for the first time since boot costs
@@ -268,6 +292,9 @@ def main() -> int:
             if args.disk:
                 condition_memory(args.size)
                 rows["raw, file map"].append(run_raw(blob, args.size, args.chunk_size, args.port, into_dir=tmp))
+                condition_memory(args.size)
+                rows["raw, sparse map"].append(run_raw(blob, args.size, args.chunk_size, args.port, into_dir=tmp,
+                                                       sparse=True))
                 out = os.path.join(tmp, f"copy{r}")
                 mem = memory.setdefault("p2pw --out", {}) if args.memory and r == 0 else None
                 rows["p2pw --out"].append(run_p2pw(blob, args.chunk_size, args.port + 1, out, [],
@@ -286,14 +313,10 @@ def main() -> int:
                   + (f"{filemap / med:>13.2f}" if filemap else ""))
         print("touched: raw receiver's buffer faulted in before timing (the hop alone); fresh: faulted in by "
               "the receive loop, as p2pw's is; file map: raw receiver into a shared mapping of a preallocated "
-              "file, as p2pw --out's is")
+              "file, as p2pw --out's is (sparse map: of a file only truncated to size, its blocks allocated as pages are "
+              "first written)")
         if memory:
-            print(f"\npeak memory (MiB), first run of each p2pw row: VmHWM = peak RSS, RssAnon = anonymous")
-            print(f"{'path':<16}{'seeder RSS':>11}{'seeder anon':>12}{'joiner RSS':>11}{'joiner anon':>12}")
-            for name, m in memory.items():
-                s_, j_ = m.get("seeder", {}), m.get("joiner", {})
-                print(f"{name:<16}{s_.get('VmHWM', 0) / 1024:>11.0f}{s_.get('RssAnon', 0) / 1024:>12.0f}"
-                      f"{j_.get('VmHWM', 0) / 1024:>11.0f}{j_.get('RssAnon', 0) / 1024:>12.0f}")
+            print_memory(args.size, memory)
     return 0
 
 

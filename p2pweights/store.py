@@ -30,6 +30,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
 MAP_FAILED = ctypes.c_void_p(-1).value
+MAP_FIXED = 0x10
 
 
 class SpaceError(OSError):
@@ -73,20 +74,37 @@ class FileMap:
         self.base = ctypes.addressof(probe)
         del probe  # a live export would keep the mmap from ever closing
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        misaligned = any(offset % PAGE for _, offset, length in parts if length)
+        self.copied = misaligned  # pages larger than the layout's 4 KiB: read into memory, not mapped
         try:
+            if misaligned and writable:
+                raise OSError(f"this host's {PAGE}-byte pages are larger than the blob layout's 4 KiB "
+                              "alignment: files cannot be mapped at their blob offsets")
             for fd, offset, length in parts:
                 if length == 0:
                     continue
-                if offset % PAGE:
-                    raise OSError(f"a file starts at blob offset {offset}, not on a {PAGE}-byte page: "
-                                  "this host's page size cannot map the blob layout")
-                addr = _libc.mmap(self.base + offset, align_page(length), prot, mmap.MAP_SHARED | 0x10, fd, 0)
-                if addr in (None, MAP_FAILED) or addr != self.base + offset:  # 0x10: MAP_FIXED
+                if misaligned:
+                    self._read(fd, offset, length)
+                    continue
+                addr = _libc.mmap(self.base + offset, align_page(length), prot, mmap.MAP_SHARED | MAP_FIXED, fd, 0)
+                if addr in (None, MAP_FAILED) or addr != self.base + offset:
                     err = ctypes.get_errno()
                     raise OSError(err, f"cannot map a file into the store: {os.strerror(err)}")
         except BaseException:
             self.buffer.close()
             raise
+
+    def _read(self, fd: int, offset: int, length: int) -> None:
+        view = memoryview(self.buffer)[offset: offset + length]
+        try:
+            done = 0
+            while done < length:
+                n = os.preadv(fd, [view[done:]], done)
+                if n == 0:
+                    raise OSError(f"a file ended after {done} of its {length} bytes")
+                done += n
+        finally:
+            view.release()
 
 
 def align_page(n: int) -> int:
