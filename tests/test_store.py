@@ -204,3 +204,16 @@ def test_blob_over_the_budget_lives_in_a_temporary_file_not_anonymous_memory():
     memoryview(buf)[:] = b"\x07" * size
     assert rss_anon() - before >= size // 2
     buf.close()
+
+
+def test_file_map_where_pages_do_not_fit_the_layout(tmp_path):
+    """A file off a page boundary (a host with pages over 4 KiB): read into memory read-only, refused writable."""
+    (tmp_path / "a").write_bytes(b"A" * 5000)
+    fd = os.open(tmp_path / "a", os.O_RDWR)
+    try:
+        fm = FileMap(100 + 5000, [(fd, 100, 5000)], writable=False)
+        assert fm.copied and bytes(memoryview(fm.buffer)[:5100]) == b"\0" * 100 + b"A" * 5000
+        with pytest.raises(OSError, match="pages are larger than the blob layout"):
+            FileMap(100 + 5000, [(fd, 100, 5000)], writable=True)
+    finally:
+        os.close(fd)
