@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from .errors import UserError
+
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -33,7 +35,7 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 MAP_FIXED = 0x10
 
 
-class SpaceError(OSError):
+class SpaceError(UserError, OSError):
     """Too little free space for a file-backed store; the message names the bytes needed and free."""
 
 
