@@ -108,6 +108,7 @@ class DiskCache:
         self.unflushed: list[int] = []
         self.unflushed_bytes = 0
         self.left_total = manifest.n_chunks
+        self.thread: threading.Thread | None = None  # the finisher (none for a copy complete at the start)
         if verify == "marker" and self._marker_matches():
             self.complete = True
             self.final = [True] * len(manifest.files)
@@ -334,8 +335,7 @@ class DiskCache:
 
     def close(self) -> None:
         """Stop the finisher (if running) and close the files; the mapping belongs to the store."""
-        if not self.finished.is_set() and getattr(self, "thread", None) is not None \
-                and threading.current_thread() is not self.thread:
+        if not self.finished.is_set() and self.thread is not None and threading.current_thread() is not self.thread:
             self.queue.put(None)
             self.thread.join(5)
         for fd in self.fds.values():

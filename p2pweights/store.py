@@ -61,7 +61,9 @@ class FileMap:
 
     ``parts`` are ``(fd, offset, length)``: file ``fd``'s first ``length``
     bytes appear at ``offset`` (a multiple of the page size: the blob layout
-    starts every file on a 4 KiB boundary).  The range is an anonymous
+    starts every file on a 4 KiB boundary; on a host with larger pages a
+    read-only map copies the files into its memory instead, a writable one
+    is refused).  The range is an anonymous
     mapping first (so padding reads as zeros) with each file mapped over its
     slice (MAP_FIXED); the tail of a file's last page past its end is the
     padding before the next file.  ``buffer`` (a Python ``mmap``) owns the
@@ -71,7 +73,7 @@ class FileMap:
 
     def __init__(self, size: int, parts, writable: bool):
         self.size = size
-        self.buffer = mmap.mmap(-1, max(align_page(size), PAGE))
+        self.buffer = mmap.mmap(-1, max(align_page(size), PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         probe = ctypes.c_char.from_buffer(self.buffer)
         self.base = ctypes.addressof(probe)
         del probe  # a live export would keep the mmap from ever closing
