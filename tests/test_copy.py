@@ -70,3 +70,47 @@ def test_restart_into_a_complete_copy_serves_at_once(procs, tmp_path):
     r = json.loads((tmp_path / "3.json").read_text())
     assert r["resumed"] == n_chunks - 1 and r["received"] == 1, r  # the changed chunk found and fetched again
     assert same_tree(src, copy) == []
+
+
+def test_a_fifo_in_the_checkpoint_is_one_error_line_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "model"
+    write_synthetic_model(src, size_mb=1, shards=1)
+    os.mkfifo(src / "pipe")
+    os.symlink("/etc/hostname", src / "escape")
+    for cmd in (["seed", src, "--port", "0"], ["manifest", src]):
+        r = subprocess.run([sys.executable, "-m", "p2pweights", *map(str, cmd)], capture_output=True, text=True,
+                           timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("p2pw: error:"), r.stderr
+        assert "pipe (fifo)" in lines[0] and "escape (symlink leaving the tree" in lines[0], lines[0]
+
+
+def test_manifest_exclude_leaves_files_out(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "model"
+    write_synthetic_model(src, size_mb=1, shards=1)
+    (src / "notes.md").write_text("x")
+    r = subprocess.run([sys.executable, "-m", "p2pweights", "manifest", src, "--exclude", "*.md"],
+                       capture_output=True, text=True, timeout=60)
+    names = [f["name"] for f in json.loads(r.stdout)["files"]]
+    assert r.returncode == 0 and "notes.md" not in names and "config.json" in names, names
+
+
+def test_library_join_into_a_complete_copy_loads_tensors(tmp_path):
+    """A copy served from its marker still feeds a loader: every chunk is handed to the sinks."""
+    import p2pweights
+
+    src = tmp_path / "model"
+    write_synthetic_model(src, size_mb=1, shards=1)
+    with p2pweights.seed(src, port=0, host="127.0.0.1") as s:
+        with p2pweights.join(f"127.0.0.1:{s.port}", host="127.0.0.1", out=str(tmp_path / "c")) as d:
+            d.wait(60)
+        with p2pweights.join(f"127.0.0.1:{s.port}", host="127.0.0.1", out=str(tmp_path / "c"), device="cpu") as d:
+            assert d.cache.complete
+            sd = d.state_dict(timeout=60)
+            assert d.stats.chunks_received == 0 and "lm_head.weight" in sd
