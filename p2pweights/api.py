@@ -22,9 +22,9 @@ from .cache import DiskCache
 from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, ManifestError, build, check_model_id
 from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
-from .store import Store, StoreClosed, host_buffer
-from .formats import checkpoint_files
-from .source import BlobSource
+from .store import SourceStore, Store, StoreClosed, blob_backing
+from .formats import checkpoint_files, scan as scan_checkpoint
+from .source import BlobSource, storage_read_bytes
 from .topology import make as make_topology
 from .tracker import Tracker
 
@@ -66,9 +66,12 @@ class Seeder:
     def __init__(self, path, *, port: int = DEFAULT_PORT, host: str = "0.0.0.0",
                  chunk_size: int = DEFAULT_CHUNK_SIZE, topology: str = DEFAULT_PLAN, hash: str = "xxh3_64",
                  advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
-                 max_peers: int = 10_000, manifest: str | None = None,
+                 max_peers: int = 10_000, manifest: str | None = None, exclude=(),
                  s3_concurrency: int = 16, s3_range_size: int = 8 << 20):
         self.path = os.fspath(path)
+        self.exclude = tuple(exclude)
+        # entries not served (SKIPPED_DIRS, ``exclude``); an object store's listing skips them silently
+        self.skipped = [] if self.path.startswith("s3://") else scan_checkpoint(path, self.exclude).skipped
         self.key = key
         self.topology = make_topology(topology)  # a bad name fails before the scan
         t0 = time.monotonic()
@@ -80,19 +83,25 @@ class Seeder:
             known = self.s3.check(_read_manifest(manifest), manifest) if manifest else None
             scan, open_source = self.s3.build, self.s3.source
         else:
-            known = self._published(path, manifest) if manifest else catalog.lookup(path, chunk_size, hash)
-            scan, open_source = (lambda *a, **kw: build(path, *a, **kw)), (lambda files: BlobSource(path, files))
+            known = (self._published(path, manifest, self.exclude) if manifest
+                     else catalog.lookup(path, chunk_size, hash, self.exclude))
+            scan = lambda *a, **kw: build(path, *a, exclude=self.exclude, **kw)  # noqa: E731
+            open_source = lambda files: BlobSource(path, files)  # noqa: E731
         if known is not None:  # hashed before (a restart, a published manifest): serve now, read as peers ask
             self.manifest, self.scanned = known, 0
-            self.store = Store(known)
+            self.store = Store(known) if self.s3 is not None else SourceStore.open(known, path)
             self.source = open_source(known.files)
         else:
-            self.manifest, self.scanned, buffer = scan(chunk_size, hash, into=host_buffer)
-            if self.s3 is None:
-                catalog.remember(path, self.manifest)
-            self.store = Store(self.manifest, buffer)
+            if self.s3 is not None:  # no local files to map: memory, or a temp file over the memory budget
+                self.manifest, self.scanned, buffer = scan(chunk_size, hash, into=blob_backing)
+                self.store = Store(self.manifest, buffer)
+            else:  # hash every chunk, reading each byte from storage once; the mapping serves the page cache
+                self.manifest, self.scanned, _ = scan(chunk_size, hash)
+                catalog.remember(path, self.manifest, self.exclude)
+                self.store = SourceStore.open(self.manifest, path)
             self.store.hold_all()
         self.scan_seconds = time.monotonic() - t0
+        self.io_at_serve = storage_read_bytes()  # from here on, storage reads are pages sending read again
         if topology.strip().lower().startswith("auto"):  # now the chunk count is known: choose with it
             self.topology = make_topology(topology, chunks=self.manifest.n_chunks)
         self.ctx = zmq.Context()
@@ -115,10 +124,10 @@ class Seeder:
         return self.manifest.model_id
 
     @staticmethod
-    def _published(path, manifest_path: str) -> Manifest:
+    def _published(path, manifest_path: str, exclude=()) -> Manifest:
         """A manifest built earlier (``p2pw manifest PATH -o M``) that matches the files at ``path``."""
         m = _read_manifest(manifest_path)
-        on_disk = {name: size for name, _, size in checkpoint_files(path)}
+        on_disk = {name: size for name, _, size in checkpoint_files(path, exclude)}
         for f in m.files:
             have = on_disk.get(f["name"])
             if have != f["size"]:
@@ -129,8 +138,19 @@ class Seeder:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes read from storage: the scan, or (restarted from the catalog) what peers asked for."""
-        return self.scanned + (self.source.bytes_read if self.source is not None else 0)
+        """Bytes read from storage: the scan (or, restarted from the catalog, what peers asked for), plus what
+        sending from the mapped files read again because the kernel had dropped those pages (``reread``)."""
+        return self.scanned + (self.source.bytes_read if self.source is not None else 0) + self.reread
+
+    @property
+    def reread(self) -> int:
+        """Bytes read from storage again by sending (the kernel's count for this process, less the scan and the
+        read-ahead thread, whose reads are counted as they are made); 0 where the kernel keeps no count."""
+        now = storage_read_bytes()
+        if now is None or self.io_at_serve is None:
+            return 0
+        reader = getattr(self.node, "reader", None)
+        return max(now - self.io_at_serve - (reader.storage_read if reader is not None else 0), 0)
 
     @property
     def stats(self):
@@ -161,6 +181,7 @@ class Seeder:
         if self.gate is not None:
             self.gate.stop()
         self.ctx.term()
+        self.store.close()
 
     def __enter__(self):
         return self
@@ -288,6 +309,9 @@ class Download:
         if self.gate is not None:
             self.gate.stop()
         self.node.ctx.term()
+        if self.cache is not None:
+            self.cache.close()
+        self.store.close()
 
     def __enter__(self):
         return self
@@ -410,11 +434,16 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
          connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
          key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT,
-         give_up_after: float = GIVE_UP_AFTER) -> Download:
+         give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None) -> Download:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.
-    ``out``: write the checkpoint's files there.  ``model_id``: refuse any
+    ``out``: write the checkpoint's files there; they are the store (mapped),
+    each final as soon as it is verified, ``out/.p2pw/complete.json`` once all
+    are; a copy whose marker matches is served at once, unless ``verify='full'``
+    (re-hash what is there).  Without ``out``, the blob lives in memory, or in
+    an unlinked temporary file when larger than ``memory_budget`` bytes
+    (default: half the memory available).  ``model_id``: refuse any
     other checkpoint.  ``connect_timeout``: how long to keep trying a parent
     that is not up yet.  ``parent_timeout``: a parent silent this long is
     given up for another (the tracker names it).  ``give_up_after``: fail once
@@ -445,11 +474,15 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     me = advertise or local_ip_towards(p_host)
     peer_id = peer_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id}
+    cache = None
     try:
         link, tracker_addr, welcome, manifest = _handshake(ctx, parent, hello, model_id, connect_timeout, key)
-        store = Store(manifest)
-        cache = DiskCache(manifest, out) if out else None
+        # with out, the destination files are the store (mapped); else memory, or a temp file over the budget
+        cache = DiskCache(manifest, out, verify=verify) if out else None
+        store = Store(manifest, cache.filemap.buffer if cache is not None
+                      else blob_backing(manifest.total_size, memory_budget))
     except Exception:
+        cache and cache.close()
         router.close(0)
         gate and gate.stop()
         ctx.destroy(0)
@@ -478,7 +511,10 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     for index in recovered:  # chunks an earlier run left on disk: verified again, never fetched again
         store.verified(index)
     node.stats.resumed = len(recovered)
-    if recovered:
+    if cache is not None and cache.complete:
+        log.warning("%s already holds model %s, complete (its marker matches): serving it, fetching nothing",
+                    out, manifest.model_id[:16])
+    elif recovered:
         log.warning("resumed from %s: %d of %d chunks on disk verified; fetching the rest",
                     out, len(recovered), manifest.n_chunks)
     node.start()

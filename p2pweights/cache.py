@@ -1,134 +1,343 @@
-"""Cache: the checkpoint's files on a peer's local disk, written chunk by chunk.
+"""Cache: the checkpoint's files under ``out`` are the node's store, each made final as soon as it is verified.
 
-Each file of the manifest's file table is written under ``out`` with its
-original name, first as ``NAME.partial``; verified chunks are written with
-``pwrite`` by one writer thread (so the network loop never waits on the disk),
-and only when every chunk is on disk are the files fsynced and renamed to their
-final names.  A file under its final name is therefore always complete.
-A write error (disk full, say) fails the download with a clear message; nothing
-is presented as complete.
+Each file of the manifest's file table is preallocated under ``out`` as
+``NAME.partial`` (free space is checked first: too little is one error and
+nothing is written) and mapped shared at its blob offset (``store.FileMap``),
+so the node receives chunks straight into the files' page cache, serves
+children from there, and the kernel writes the pages back.  Nothing copies
+the bytes a second time.  When every chunk covering a file is verified, a
+finisher thread fsyncs it and renames it to its final name (the blob layout
+puts small files first, so config and tokenizer are final within the first
+chunks).  For a blob larger than the memory budget it also starts writeback
+of verified chunks as they come (``sync_file_range``, 64 MiB at a time), so
+dirty pages never pile up, in a small memory cgroup or on a small host.
+After the last file, ``out/.p2pw/complete.json`` (model id, files with
+sizes and mtimes, bytes, time) is written atomically.  A file under its final
+name is always complete.
 
-Restarts: a peer started again with the same ``out`` re-verifies what is on
-disk (partial files, or complete ones from an earlier run) by hashing every
-chunk against the manifest, adopts the chunks that match, and fetches only
-the rest.  We re-hash rather than trust a sidecar bitfield: xxh3 reads at
-disk speed, and a sidecar cannot vouch for bytes changed behind its back.
+Restarts: a join into ``out`` whose marker names this model, every file's
+size and mtime unchanged, holds every chunk at once without re-hashing
+(``verify="full"`` re-hashes anyway).  Otherwise the marker is removed first
+and whatever an earlier run left (partial or final files) is re-hashed chunk
+by chunk against the manifest; matching chunks are adopted, the rest fetched.
+Everything p2pw keeps about a copy lives under ``out/.p2pw/`` (also
+``progress.json`` while downloading: verified bytes and chunks, final files).
 """
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import queue
 import threading
-
-import numpy as np
+import time
 
 from .errors import UserError
-from .manifest import chunk_hasher, file_segments
-from .source import BlobSource
+from .manifest import chunk_hasher
+from .store import FileMap, check_space, memory_budget
 
 PARTIAL = ".partial"
+STATE_DIR = ".p2pw"  # what p2pw keeps about a copy; a seeder never serves it
+MARKER = "complete.json"
+PROGRESS = "progress.json"
+VERIFY_MODES = ("marker", "full")
+PROGRESS_EVERY = 0.25  # seconds between progress.json updates
+WRITE_BACK_EVERY = 64 << 20  # a blob over the memory budget starts writeback of every this many verified bytes
+SYNC_FILE_RANGE_WRITE = 2
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 
 
 class CacheError(UserError, OSError):
     """The local copy could not be written."""
 
 
-class DiskCache:
-    """Writes verified chunks into the checkpoint's files under ``out``."""
+def write_atomically(path: str, doc: dict, durable: bool = True) -> None:
+    """Write ``doc`` as JSON to ``path`` by rename (fsynced, directory too, when ``durable``)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(os.path.dirname(path))
 
-    def __init__(self, manifest, out: str, on_error=None):
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_marker(out: str) -> dict | None:
+    """The completion marker of the copy under ``out``, or None."""
+    try:
+        with open(os.path.join(out, STATE_DIR, MARKER)) as f:
+            doc = json.load(f)
+        return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+class DiskCache:
+    """The files of ``manifest`` under ``out`` as one mapped blob (``filemap``), finalised file by file."""
+
+    def __init__(self, manifest, out: str, verify: str = "marker", on_error=None, write_back: bool | None = None):
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
         self.manifest = manifest
         self.out = os.path.abspath(out)
         self.on_error = on_error
-        self.fds: dict[str, int] = {}
-        self.written = 0
         self.error: str | None = None
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.paths = [self._path(f["name"]) for f in manifest.files]  # final names
+        self.final = [False] * len(manifest.files)  # file i is under its final name
+        self.fds: dict[int, int] = {}  # open while file i is not final
         self.finished = threading.Event()
-        self.on_disk = np.zeros(manifest.n_chunks, dtype=bool)
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.resuming = False
-        try:
-            for f in manifest.files:
-                path = self._path(f["name"]) + PARTIAL
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                if os.path.exists(path[: -len(PARTIAL)]) and not os.path.exists(path):
-                    os.replace(path[: -len(PARTIAL)], path)  # complete from an earlier run: re-verify it
-                self.resuming |= os.path.exists(path) and os.path.getsize(path) > 0
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-                os.ftruncate(fd, f["size"])
-                self.fds[f["name"]] = fd
-        except OSError as e:
-            self.close()
-            raise CacheError(f"cannot create the local copy under {self.out}: {e.strerror}") from None
-        self.thread = threading.Thread(target=self._run, name="p2pw-disk", daemon=True)
+        self.complete = False  # the marker matched: every chunk is on disk and final
+        self.chunks_done = self.bytes_done = 0
+        # a blob that fits the memory budget is left to the kernel's writeback (and the fsync as each file
+        # completes); a larger one starts writeback as it goes, so its dirty pages never fill memory
+        self.write_back = manifest.total_size > memory_budget() if write_back is None else write_back
+        self.unflushed: list[int] = []
+        self.unflushed_bytes = 0
+        self.left_total = manifest.n_chunks
+        self.thread: threading.Thread | None = None  # the finisher (none for a copy complete at the start)
+        if verify == "marker" and self._marker_matches():
+            self.complete = True
+            self.final = [True] * len(manifest.files)
+            self.filemap = self._map(os.O_RDONLY, writable=False)
+            self.finished.set()
+            return
+        self.left = [len(manifest.chunks_covering(f["offset"], f["offset"] + f["size"])) for f in manifest.files]
+        self.chunk_files: list[list[int]] = [[] for _ in range(manifest.n_chunks)]
+        for i, f in enumerate(manifest.files):
+            for c in manifest.chunks_covering(f["offset"], f["offset"] + f["size"]):
+                self.chunk_files[c].append(i)
+        self._preallocate()
+        self.thread = threading.Thread(target=self._run, name="p2pw-finish", daemon=True)
         self.thread.start()
+        for i, n in enumerate(self.left):
+            if n == 0:  # an empty file: complete already
+                self.queue.put(("file", i))
 
     def _path(self, name: str) -> str:
         path = os.path.normpath(os.path.join(self.out, name))
         if not path.startswith(self.out + os.sep):
             raise CacheError(f"file name {name!r} in the manifest escapes the output directory")
+        if os.path.relpath(path, self.out).split(os.sep)[0] == STATE_DIR:
+            raise CacheError(f"file name {name!r} in the manifest is inside {STATE_DIR}/, which p2pw keeps for itself")
         return path
 
+    # ----- start: the marker, free space, preallocation, the mapping ---------
+
+    def _marker_matches(self) -> bool:
+        doc = read_marker(self.out)
+        if not doc or doc.get("model_id") != self.manifest.model_id:
+            return False
+        recorded = {f.get("name"): f for f in doc.get("files", []) if isinstance(f, dict)}
+        for f, path in zip(self.manifest.files, self.paths):
+            r = recorded.get(f["name"])
+            try:
+                st = os.stat(path)
+            except OSError:
+                return False
+            if r is None or st.st_size != f["size"] or r.get("size") != f["size"] or r.get("mtime_ns") != st.st_mtime_ns:
+                return False
+        return True
+
+    def _preallocate(self) -> None:
+        """Check the free space, then create (or reopen) every file at its full size, blocks allocated."""
+        needed = 0
+        for f, path in zip(self.manifest.files, self.paths):
+            for p in (path + PARTIAL, path):
+                if os.path.exists(p):
+                    self.resuming = True
+                    needed += max(f["size"] - os.stat(p).st_blocks * 512, 0)
+                    break
+            else:
+                needed += f["size"]
+        check_space(self.out, needed, f"model {self.manifest.model_id[:16]}")
+        self._remove(os.path.join(self.out, STATE_DIR, MARKER))  # a new join into out starts
+        created = []
+        try:
+            for i, path in enumerate(self.paths):
+                if os.path.exists(path) and not os.path.exists(path + PARTIAL):
+                    self.final[i] = True  # from an earlier run: re-verified by recover()
+                    name = path
+                else:
+                    name = path + PARTIAL
+                    if not os.path.exists(name):
+                        created.append(name)
+                os.makedirs(os.path.dirname(name), exist_ok=True)
+                fd = self.fds[i] = os.open(name, os.O_RDWR | os.O_CREAT, 0o644)
+                size = self.manifest.files[i]["size"]
+                if os.fstat(fd).st_size != size:
+                    os.ftruncate(fd, size)
+                if size:
+                    os.posix_fallocate(fd, 0, size)
+            self.filemap = FileMap(self.manifest.total_size,
+                                   [(self.fds[i], f["offset"], f["size"]) for i, f in enumerate(self.manifest.files)],
+                                   writable=True)
+        except OSError as e:
+            self.close()
+            for name in created:
+                self._remove(name)
+            raise CacheError(f"cannot create the local copy under {self.out}: {e.strerror or e}") from None
+
+    def _map(self, flags: int, writable: bool) -> FileMap:
+        fds = []
+        try:
+            for f, path in zip(self.manifest.files, self.paths):
+                fds.append((os.open(path, flags), f["offset"], f["size"]))
+            return FileMap(self.manifest.total_size, fds, writable=writable)
+        except OSError as e:
+            raise CacheError(f"cannot map the copy under {self.out}: {e.strerror or e}") from None
+        finally:
+            for fd, _, _ in fds:
+                os.close(fd)
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
     def recover(self, store) -> list[int]:
-        """Read what an earlier run left on disk into ``store``'s buffer; the chunks whose hash matches."""
+        """Chunks an earlier run left in the files (already in ``store``, which maps them) whose hash matches.
+
+        A file found under its final name that does not fully match goes back to ``NAME.partial``.
+        """
+        if self.complete:
+            return list(range(self.manifest.n_chunks))
         if not self.resuming:
             return []
         digest = chunk_hasher(self.manifest.hash)
-        source = BlobSource(self.out, self.manifest.files, suffix=PARTIAL)
-        try:
-            found = [i for i in range(self.manifest.n_chunks)
-                     if source.read_chunk(self.manifest, i, store.chunk(i), digest)]
-        finally:
-            source.close()
-        self.on_disk[found] = True
+        found = [i for i in range(self.manifest.n_chunks) if digest(store.chunk(i)) == self.manifest.chunks[i]]
+        ok = set(found)
+        for i, path in enumerate(self.paths):
+            if self.final[i] and not all(c in ok for c in self.chunk_files_of(i)):
+                os.replace(path, path + PARTIAL)
+                self.final[i] = False
         return found
 
+    def chunk_files_of(self, i: int) -> range:
+        f = self.manifest.files[i]
+        return self.manifest.chunks_covering(f["offset"], f["offset"] + f["size"])
+
+    # ----- while downloading (put is called on the node's loop) -------------
+
     def put(self, index: int, data: memoryview) -> None:
-        """Queue verified chunk ``index`` (its bytes must not change) for writing."""
-        self.queue.put((index, data))
+        """Chunk ``index`` is verified (its bytes are already in the mapped files): count it, finish files."""
+        if self.complete:
+            return
+        self.chunks_done += 1
+        self.bytes_done += len(data)
+        self.queue.put(("chunk", index))
+        for i in self.chunk_files[index]:
+            self.left[i] -= 1
+            if self.left[i] == 0:
+                self.queue.put(("file", i))
 
     def _run(self) -> None:
-        remaining = self.manifest.n_chunks
-        while remaining:
-            item = self.queue.get()
-            if item is None:
-                return
-            index, data = item
-            if self.on_disk[index]:  # recovered from an earlier run: already there
-                remaining -= 1
-                continue
-            lo, hi = self.manifest.chunk_span(index)
-            try:
-                for f, off, a, b in file_segments(self.manifest.files, lo, hi):
-                    view = data[a - lo: b - lo]
-                    done = 0
-                    while done < len(view):
-                        done += os.pwrite(self.fds[f["name"]], view[done:], off + done)
-                self.written += 1
-            except OSError as e:
-                self.error = f"writing chunk {index} to {self.out} failed: {e.strerror}"
-                if self.on_error:
-                    self.on_error(self.error)
-                return
-            remaining -= 1
+        files_left = len(self.manifest.files)
+        last_progress = 0.0
         try:
-            self._finish()
+            while files_left:
+                try:
+                    item = self.queue.get(timeout=PROGRESS_EVERY)
+                except queue.Empty:
+                    item = ("tick", 0)
+                if item is None:
+                    return
+                kind, n = item
+                if kind == "chunk" and self.write_back:
+                    self._write_back(n)
+                elif kind == "file":
+                    self._finish_file(n)
+                    files_left -= 1
+                now = time.monotonic()
+                if files_left and now - last_progress >= PROGRESS_EVERY:
+                    last_progress = now
+                    self._progress()
+            self._write_marker()
         except OSError as e:
-            self.error = f"finishing the local copy under {self.out} failed: {e.strerror}"
+            self.error = f"finishing the local copy under {self.out} failed: {e.strerror or e}"
             if self.on_error:
                 self.on_error(self.error)
             return
+        self.close()
         self.finished.set()
 
-    def _finish(self) -> None:
-        for name, fd in self.fds.items():
-            os.fsync(fd)
-        for f in self.manifest.files:
-            path = self._path(f["name"])
-            os.replace(path + PARTIAL, path)
-        self.close()
+    def _write_back(self, index: int) -> None:
+        """Start writeback (not waiting for it) of verified chunks, WRITE_BACK_EVERY bytes at a time."""
+        self.unflushed.append(index)
+        self.unflushed_bytes += self.manifest.chunk_size
+        if self.unflushed_bytes < WRITE_BACK_EVERY and self.left_total > len(self.unflushed):
+            return
+        ranges: dict[int, list[list[int]]] = {}  # file -> merged [a, b) ranges in file offsets
+        for index in sorted(self.unflushed):
+            lo, hi = self.manifest.chunk_span(index)
+            for i in self.chunk_files[index]:
+                f = self.manifest.files[i]
+                a, b = max(lo, f["offset"]) - f["offset"], min(hi, f["offset"] + f["size"]) - f["offset"]
+                spans = ranges.setdefault(i, [])
+                if spans and spans[-1][1] == a:
+                    spans[-1][1] = b
+                elif b > a:
+                    spans.append([a, b])
+        self.left_total -= len(self.unflushed)
+        self.unflushed, self.unflushed_bytes = [], 0
+        for i, spans in ranges.items():
+            fd = self.fds.get(i)
+            for a, b in spans if fd is not None else ():
+                _libc.sync_file_range(fd, a, b - a, SYNC_FILE_RANGE_WRITE)
+
+    def _finish_file(self, i: int) -> None:
+        """Every chunk of file ``i`` is verified: fsync it and give it its final name."""
+        fd = self.fds.pop(i, None)
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if not self.final[i]:
+            os.replace(self.paths[i] + PARTIAL, self.paths[i])
+            self.final[i] = True
+            fsync_dir(os.path.dirname(self.paths[i]))
+
+    def _state_dir(self) -> str:
+        d = os.path.join(self.out, STATE_DIR)
+        os.makedirs(d, exist_ok=True)
+        return d
+
+    def _progress(self) -> None:
+        m = self.manifest
+        write_atomically(os.path.join(self._state_dir(), PROGRESS), {
+            "model_id": m.model_id, "bytes": self.bytes_done, "total": m.total_size, "chunks": self.chunks_done,
+            "n_chunks": m.n_chunks, "files_final": sum(self.final), "files": len(m.files)}, durable=False)
+
+    def _write_marker(self) -> None:
+        m = self.manifest
+        files = [{"name": f["name"], "size": f["size"], "mtime_ns": os.stat(p).st_mtime_ns}
+                 for f, p in zip(m.files, self.paths)]
+        d = self._state_dir()
+        write_atomically(os.path.join(d, MARKER), {
+            "model_id": m.model_id, "files": files, "bytes": sum(f["size"] for f in m.files), "time": time.time()})
+        self._remove(os.path.join(d, PROGRESS))
 
     def close(self) -> None:
+        """Stop the finisher (if running) and close the files; the mapping belongs to the store."""
+        if not self.finished.is_set() and self.thread is not None and threading.current_thread() is not self.thread:
+            self.queue.put(None)
+            self.thread.join(5)
         for fd in self.fds.values():
             try:
                 os.close(fd)
@@ -137,5 +346,5 @@ class DiskCache:
         self.fds.clear()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """True once every file is complete under its final name."""
+        """True once every file is complete under its final name and the marker is written."""
         return self.finished.wait(timeout)

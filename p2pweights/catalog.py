@@ -22,26 +22,26 @@ def _dir() -> str:
     return os.path.join(os.environ.get("P2PW_CACHE_DIR") or os.path.expanduser("~/.cache/p2pweights"), "manifests")
 
 
-def _key(path, chunk_size: int, hash: str) -> str:
-    stats = [(name, size, os.stat(full).st_mtime_ns) for name, full, size in checkpoint_files(path)]
+def _key(path, chunk_size: int, hash: str, exclude=()) -> str:
+    stats = [(name, size, os.stat(full).st_mtime_ns) for name, full, size in checkpoint_files(path, exclude)]
     doc = [os.path.abspath(os.fspath(path)), chunk_size, hash, stats]
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
-def lookup(path, chunk_size: int, hash: str) -> Manifest | None:
+def lookup(path, chunk_size: int, hash: str, exclude=()) -> Manifest | None:
     """The manifest built earlier for exactly these files, or None."""
     try:
-        with open(os.path.join(_dir(), _key(path, chunk_size, hash) + ".json")) as f:
+        with open(os.path.join(_dir(), _key(path, chunk_size, hash, exclude) + ".json")) as f:
             return Manifest.from_json(f.read())
     except (OSError, ManifestError):
         return None
 
 
-def remember(path, manifest: Manifest) -> None:
+def remember(path, manifest: Manifest, exclude=()) -> None:
     """File ``manifest`` for ``path`` (best effort: a read-only home just means rescans)."""
     try:
         os.makedirs(_dir(), exist_ok=True)
-        final = os.path.join(_dir(), _key(path, manifest.chunk_size, manifest.hash) + ".json")
+        final = os.path.join(_dir(), _key(path, manifest.chunk_size, manifest.hash, exclude) + ".json")
         with open(final + ".tmp", "w") as f:
             f.write(manifest.to_json())
         os.replace(final + ".tmp", final)

@@ -96,9 +96,8 @@ def serve_until_signalled(finished=lambda: False, every: float = 0.1) -> None:
 
 
 def cmd_seed(args) -> int:
-    from .api import seed
-
-    from .api import DEFAULT_PLAN
+    from .api import DEFAULT_PLAN, seed
+    from .formats import SKIPPED_DIRS
 
     http = start_ops(args, starting="loading")
     key = load_key(args.key)
@@ -107,7 +106,8 @@ def cmd_seed(args) -> int:
         args.topology = f"auto:{args.expect}"
     s = seed(args.path, port=args.port, host=args.host, chunk_size=args.chunk_size, topology=args.topology,
              advertise=args.advertise, window=args.window, hash=args.hash, key=key, max_peers=args.max_peers,
-             manifest=args.manifest, s3_concurrency=args.s3_concurrency, s3_range_size=args.s3_range_size)
+             manifest=args.manifest, exclude=args.exclude, s3_concurrency=args.s3_concurrency,
+             s3_range_size=args.s3_range_size)
     bind(http, s)
     m = s.manifest
     say("serving", f"p2pw: serving {args.path}: {human(m.total_size)} in {m.n_chunks} chunks of "
@@ -115,6 +115,9 @@ def cmd_seed(args) -> int:
             "(manifest known: reading chunks from storage as peers ask)" if s.source is not None
             else f"(read {human(s.bytes_read)} from storage in {s.scan_seconds:.2f} s)"),
         path=args.path, total_size=m.total_size, n_chunks=m.n_chunks, port=s.port)
+    if s.skipped:
+        say("skipped", f"p2pw: not served: {', '.join(s.skipped)} ({' '.join(d + '/' for d in SKIPPED_DIRS)} are "
+            "always skipped; --exclude GLOB skips more)", skipped=s.skipped)
     say("model_id", f"p2pw: model id {s.model_id}")
     if key is None:
         say("unencrypted", "p2pw: WARNING: links are NOT encrypted or authenticated: anyone who can reach this "
@@ -186,7 +189,8 @@ def cmd_join(args) -> int:
     http = start_ops(args, starting="connecting")
     dl = join(args.parent, out=args.out, port=args.port, host=args.host, advertise=args.advertise,
               model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device,
-              parent_timeout=args.parent_timeout, give_up_after=args.give_up_after,
+              parent_timeout=args.parent_timeout, give_up_after=args.give_up_after, verify=args.verify,
+              memory_budget=args.memory_budget,
               key=load_key(args.key))
     bind(http, dl)
     bar = None if args.quiet else Progress(dl, every=args.progress_every)
@@ -277,7 +281,7 @@ def cmd_manifest(args) -> int:
 
         m, _, _ = S3Checkpoint(args.path, args.s3_concurrency, args.s3_range_size).build(args.chunk_size)
     else:
-        m, _, _ = build(args.path, args.chunk_size)
+        m, _, _ = build(args.path, args.chunk_size, exclude=args.exclude)
     text = m.to_json(indent=1)
     if args.output:
         with open(args.output, "w") as f:
@@ -365,6 +369,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--progress-every", type=float, default=10.0, metavar="S",
                    help="seconds between lines about the fleet (peers, done, the slowest) while peers download")
     _ops_flags(s)
+    s.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="do not serve entries matching GLOB (relative name or base name; repeatable); "
+                        ".git/, .p2pw/ and .cache/huggingface/ are always skipped")
     s.set_defaults(func=cmd_seed)
 
     j = sub.add_parser("join", help="attach this host to a broadcast and download the checkpoint")
@@ -383,6 +390,12 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--give-up-after", type=float, default=300.0, metavar="S",
                    help="exit 1 once no chunk arrived from anyone for S seconds (the seeder and every holder "
                         "gone), keeping verified chunks for a resume (default 300)")
+    j.add_argument("--verify", choices=("marker", "full"), default="marker",
+                   help="marker (default): a copy in --out whose .p2pw/complete.json matches the model is served "
+                        "as it is; full: re-hash every chunk on disk first")
+    j.add_argument("--memory-budget", type=size, metavar="SIZE",
+                   help="without --out, a blob larger than this is kept in a temporary file, not memory "
+                        "(default: half the memory available)")
     j.add_argument("--report", help="write a JSON summary to this file")
     j.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     j.add_argument("--device", help="stream chunks into one buffer on this torch device (cpu, cuda:N) "
@@ -415,6 +428,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--chunk-size", type=size, default=DEFAULT_CHUNK_SIZE)
     m.add_argument("-o", "--output")
     s3_flags(m)
+    m.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="leave out entries matching GLOB (as p2pw seed --exclude; repeatable)")
     m.set_defaults(func=cmd_manifest)
 
     v = sub.add_parser("verify", help="check a local copy against a manifest")

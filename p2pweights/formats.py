@@ -2,15 +2,19 @@
 
 Only headers are read, never tensor data, so a layout of a multi-TB checkpoint
 costs one small read per safetensors file.  The *blob* of a checkpoint is its
-files concatenated in name order, each starting on an ``ALIGN`` boundary
-(zero padding between files, none after the last); tensor offsets from
-``layout`` are positions in that blob.
+files concatenated, small non-tensor files first, each group in name order,
+each file starting on an ``ALIGN`` boundary (zero padding between files,
+none after the last), so every file can be mapped at its blob offset; tensor
+offsets from ``layout`` are positions in that blob.
 """
 from __future__ import annotations
 
+import errno
+import fnmatch
 import json
 import math
 import os
+import stat
 import struct
 from .errors import UserError
 
@@ -166,46 +170,117 @@ def _check_readable(path: str) -> None:
         raise FormatError(f"{path}: cannot open: {e.strerror or e}") from e
 
 
-def _walk(root: str, prefix: str, out: list) -> None:
-    try:
-        entries = list(os.scandir(root))
-    except OSError as e:
-        raise FormatError(f"{root}: cannot list directory: {e.strerror or e}") from e
-    for entry in entries:
-        if entry.name.startswith("."):
-            continue
-        rel = prefix + entry.name
-        if entry.is_dir():
-            _walk(entry.path, rel + "/", out)
-        elif entry.is_file():
-            _check_readable(entry.path)
-            out.append((rel, os.path.abspath(entry.path), entry.stat().st_size))
+# skipped at any depth, always (.p2pw/ is what p2pw keeps about a copy: never served); --exclude GLOB skips more
+SKIPPED_DIRS = (".git", ".p2pw", ".cache/huggingface")
+SMALL_FILE = 64 << 20  # non-tensor files up to this size go first in the blob (config, tokenizer, index JSON)
 
 
-def listed(name: str) -> bool:
-    """Whether a file at relative ``name`` ('/'-separated) belongs to a checkpoint: the rule ``_walk``
-    applies (no part hidden by a leading '.'), for sources listed by name (object stores)."""
-    return all(part and not part.startswith(".") for part in name.split("/"))
+class Walk:
+    """One scan of a checkpoint directory: the files to copy, what was skipped, what cannot be copied."""
+
+    def __init__(self, root: str, exclude=()):
+        self.root = root
+        self.real = os.path.realpath(root)
+        self.exclude = tuple(exclude)
+        self.files: list[tuple[str, str, int]] = []
+        self.skipped: list[str] = []  # relative names, directories with a trailing '/'
+        self.bad: list[str] = []  # 'name (why)' for entries no copy can hold
+        self.allowed = [self.real]
+        parent = os.path.dirname(self.real)
+        if os.path.basename(parent) == "snapshots":  # a Hugging Face cache snapshot links into ../../blobs
+            self.allowed.append(os.path.join(os.path.dirname(parent), "blobs"))
+
+    def skips(self, rel: str, is_dir: bool) -> bool:
+        if is_dir and any(rel == d or rel.endswith("/" + d) for d in SKIPPED_DIRS):
+            return True
+        base = rel.rsplit("/", 1)[-1]
+        names = (rel, base, rel + "/", base + "/") if is_dir else (rel, base)
+        return any(fnmatch.fnmatchcase(n, g) for g in self.exclude for n in names)
+
+    def inside(self, real: str) -> bool:
+        return any(real == a or real.startswith(a + os.sep) for a in self.allowed)
+
+    def walk(self, path: str, prefix: str, stack: tuple) -> None:
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError as e:
+            raise FormatError(f"{path}: cannot list directory: {e.strerror or e}") from e
+        for entry in entries:
+            rel = prefix + entry.name
+            try:
+                st = os.stat(entry.path)  # follows symlinks
+            except OSError as e:
+                self.bad.append(f"{rel} (symlink that loops)" if e.errno == errno.ELOOP
+                                else f"{rel} (broken symlink)" if entry.is_symlink() else f"{rel} ({e.strerror})")
+                continue
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if self.skips(rel, is_dir):
+                self.skipped.append(rel + "/" if is_dir else rel)
+                continue
+            real = os.path.realpath(entry.path)
+            if entry.is_symlink() and not self.inside(real):
+                self.bad.append(f"{rel} (symlink leaving the tree, to {real})")
+            elif is_dir:
+                if real in stack:
+                    self.bad.append(f"{rel} (symlink that loops, to {real})")
+                else:
+                    self.walk(entry.path, rel + "/", stack + (real,))
+            elif stat.S_ISREG(st.st_mode):
+                _check_readable(entry.path)
+                self.files.append((rel, os.path.abspath(entry.path), st.st_size))
+            else:
+                kind = ("fifo" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode)
+                        else "device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "special file")
+                self.bad.append(f"{rel} ({kind})")
 
 
-def checkpoint_files(path) -> list[tuple[str, str, int]]:
-    """``(name, absolute path, size)`` of every file of a checkpoint, sorted by name.
+def scan(path, exclude=()) -> Walk:
+    """Scan checkpoint ``path``: every file, dot-files included, less SKIPPED_DIRS and ``exclude`` globs.
 
-    A file is its own checkpoint (name = basename).  For a directory, names are
-    relative with '/' separators; entries starting with '.' are skipped at any level.
+    A glob matches an entry's relative name ('sub/x.bin', directories also as
+    'sub/') or its base name.  Special files, and symlinks that loop or leave
+    the tree, are one FormatError naming them.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file or directory")
+    w = Walk(path, exclude)
     if not os.path.isdir(path):
         _check_readable(path)
-        return [(os.path.basename(path), os.path.abspath(path), os.path.getsize(path))]
-    files: list = []
-    _walk(path, "", files)
-    if not files:
+        w.files.append((os.path.basename(path), os.path.abspath(path), os.path.getsize(path)))
+        return w
+    w.walk(path, "", (w.real,))
+    if w.bad:
+        shown = ", ".join(w.bad[:8]) + (f" and {len(w.bad) - 8} more" if len(w.bad) > 8 else "")
+        raise FormatError(f"{path}: cannot copy {len(w.bad)} entr{'y' if len(w.bad) == 1 else 'ies'}: {shown}")
+    if not w.files:
         raise FormatError(f"{path}: directory holds no checkpoint files")
-    files.sort(key=lambda f: f[0])
-    return files
+    w.files.sort(key=lambda f: f[0])
+    return w
+
+
+def checkpoint_files(path, exclude=()) -> list[tuple[str, str, int]]:
+    """``(name, absolute path, size)`` of every file of a checkpoint, sorted by name (see ``scan``).
+
+    A file is its own checkpoint (name = basename).  For a directory, names are
+    relative with '/' separators.
+    """
+    return scan(path, exclude).files
+
+
+def listed(name: str, exclude=()) -> bool:
+    """Whether a file at relative ``name`` ('/'-separated) belongs to a checkpoint, by the rules ``scan``
+    applies (SKIPPED_DIRS, ``exclude`` globs), for sources listed by name (object stores)."""
+    parts = name.split("/")
+    if not all(parts):
+        return False
+    w = Walk("", exclude)
+    return not any(w.skips("/".join(parts[:k]), k < len(parts)) for k in range(1, len(parts) + 1))
+
+
+def goes_first(name: str, size: int) -> bool:
+    """Small non-tensor files (config, tokenizer, index JSON...) lead the blob: final within the first chunks."""
+    return size <= SMALL_FILE and not name.endswith((".safetensors", PACKED_SUFFIX))
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -213,7 +288,7 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
 
 
-def layout(path) -> tuple[list[dict], list[dict], int]:
+def layout(path, exclude=()) -> tuple[list[dict], list[dict], int]:
     """The logical blob of a checkpoint: ``(files, tensors, total_size)``.
 
     ``files`` are ``{name, offset, size}`` with each offset on an ``ALIGN``
@@ -223,7 +298,7 @@ def layout(path) -> tuple[list[dict], list[dict], int]:
     A packed checkpoint's tensors come from its index (``NAME.p2pw.json``
     describing ``NAME.p2pw``), not from reading the blob.
     """
-    entries = checkpoint_files(path)
+    entries = checkpoint_files(path, exclude)
     full = {name: abspath for name, abspath, _ in entries}
     files, total = blob_files([(name, size) for name, _, size in entries])
     tensors = tensor_index(files, lambda name: read_safetensors_header(full[name])[0],
@@ -233,9 +308,10 @@ def layout(path) -> tuple[list[dict], list[dict], int]:
 
 def blob_files(entries) -> tuple[list[dict], int]:
     """The file table of a checkpoint's ``(name, size)`` pairs and the blob size: the one layout rule
-    (name order, each file on an ``ALIGN`` boundary), whatever the files came from (disk, object store)."""
+    (small non-tensor files first, then the rest, each group in name order, each file on an ``ALIGN``
+    boundary), whatever the files came from (disk, object store)."""
     files, end = [], 0
-    for name, size in sorted(entries):
+    for name, size in sorted(entries, key=lambda e: (not goes_first(*e), e[0])):
         offset = align_up(end)
         files.append({"name": name, "offset": offset, "size": size})
         end = offset + size

@@ -143,20 +143,21 @@ def canonical(doc: dict) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def build(path, chunk_size: int = DEFAULT_CHUNK_SIZE, hash: str = "xxh3_64", into=None, on_chunk=None):
+def build(path, chunk_size: int = DEFAULT_CHUNK_SIZE, hash: str = "xxh3_64", into=None, on_chunk=None,
+          exclude=()):
     """Read checkpoint ``path`` once: (Manifest, bytes read from storage, the ``into`` buffer or None).
 
     Each chunk is read from storage exactly once; when ``into`` is given it is
     called with the blob's size and returns a writable buffer where the bytes
     land, so a seeder keeps what it hashed.  ``on_chunk(index)`` is called
-    after each chunk is hashed.
+    after each chunk is hashed.  ``exclude``: globs of entries left out (see ``formats.scan``).
     """
     from . import formats
     from .source import BlobSource
 
     if chunk_size <= 0 or chunk_size % formats.ALIGN:
         raise ManifestError(f"chunk size must be a positive multiple of {formats.ALIGN}, got {chunk_size}")
-    files, tensors, total = formats.layout(path)
+    files, tensors, total = formats.layout(path, exclude)
     digest = chunk_hasher(hash)
     source = BlobSource(path, files)
     chunks = []

@@ -19,6 +19,21 @@ from .errors import UserError
 from .manifest import chunk_hasher, file_segments
 
 
+def storage_read_bytes(scope: str = "self") -> int | None:
+    """Bytes this process (``scope='self'``) or thread (``'thread-self'``) had the kernel read from storage.
+
+    Block I/O only, from /proc/SCOPE/io: page cache hits are not counted, so a
+    chunk sent from a mapping whose pages are cached costs nothing here, and
+    one whose pages the kernel dropped counts what was read again.  None
+    where the kernel does not keep the count.
+    """
+    try:
+        with open(f"/proc/{scope}/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 class SourceError(UserError, OSError):
     """The checkpoint's files no longer match their file table (truncated, removed, unreadable)."""
 
@@ -133,12 +148,15 @@ class ReadAhead:
     """Reads requested chunks (and the next few after them) from storage in a background thread.
 
     A seeder restarted from the catalog serves chunks it has not read yet: the
-    node asks ``want(index)``; this thread reads the chunk into the store's
-    buffer, verifies it against the manifest, and reports ``on_ready(index,
-    ok)``, reading ``ahead`` chunks past each request (or as many as the
-    source says pay, for one that reads them in parallel) so storage streams
-    while the network sends.  Only chunks the store does not hold are written,
-    and nobody reads a chunk before it is published, so no lock guards the buffer.
+    node asks ``want(index)``; this thread reads the chunk, verifies it
+    against the manifest, and reports ``on_ready(index, ok)``, reading
+    ``ahead`` chunks past each request (or as many as the source says pay,
+    for one that reads them in parallel) so storage streams while the network
+    sends.  A store that maps the source files themselves (``writable`` False)
+    is read into one scratch buffer, only to verify: the read leaves the bytes
+    in the page cache the mapping serves from.  Otherwise chunks land in the
+    store's buffer; only chunks it does not hold are written, and nobody reads
+    a chunk before it is published, so no lock guards the buffer.
     """
 
     def __init__(self, source: BlobSource, store, on_ready, ahead: int = 8, on_exit=None):
@@ -147,8 +165,18 @@ class ReadAhead:
         self.digest = chunk_hasher(store.manifest.hash)
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.done = np.zeros(store.manifest.n_chunks, dtype=bool)  # read (or tried) by this thread
+        mapped = not getattr(store, "writable", True)  # the store maps these very files: read only to verify
+        self.scratch = memoryview(bytearray(store.manifest.chunk_size)) if mapped else None
+        self.storage_read = 0  # bytes this thread had read from storage (its reads are the source's to count)
         self.thread = threading.Thread(target=self._run, name="p2pw-readahead", daemon=True)
         self.thread.start()
+
+    def view_of(self, index: int) -> memoryview:
+        """Where chunk ``index`` is read: the store's buffer, or the scratch buffer (one chunk at a time)."""
+        if self.scratch is None:
+            return self.store.chunk(index)
+        lo, hi = self.store.manifest.chunk_span(index)
+        return self.scratch[: hi - lo]
 
     def want(self, index: int) -> None:
         self.requests.put(index)
@@ -158,6 +186,7 @@ class ReadAhead:
 
     def _run(self) -> None:
         n = self.store.manifest.n_chunks
+        base = storage_read_bytes("thread-self") or 0
         while True:
             index = self.requests.get()
             if index is None:
@@ -167,5 +196,6 @@ class ReadAhead:
             todo = [i for i in range(index, min(index + 1 + self.ahead, n))
                     if not self.done[i] and not self.store.has(i)]
             self.done[todo] = True
-            for i, ok in self.source.read_chunks(self.store.manifest, todo, self.store.chunk, self.digest):
+            for i, ok in self.source.read_chunks(self.store.manifest, todo, self.view_of, self.digest):
                 self.on_ready(i, ok)
+            self.storage_read = (storage_read_bytes("thread-self") or base) - base

@@ -1,8 +1,14 @@
 """Store: where a node keeps the blob, which chunks of it are verified, and who waits for them.
 
-The store is one preallocated host buffer of the blob's size:
-chunk ``i`` is always ``buffer[i*C:(i+1)*C]``, so a verified chunk is served to
-children straight from it (zero-copy sends) and never moves.  A chunk's bit is
+The store is one address range of the blob's size: chunk ``i`` is always
+``buffer[i*C:(i+1)*C]``, so a verified chunk is served to children straight
+from it (zero-copy sends) and never moves.  The range is backed by the
+checkpoint's files themselves where the node has them (``FileMap``: each file
+mapped shared at its blob offset, so received bytes land in the page cache of
+the destination file and the kernel writes them back; a seeder maps its
+source files read-only), by anonymous memory (``host_buffer``) for a blob
+that fits the memory budget, or by an unlinked temporary file
+(``temp_backing``) for one that does not.  A chunk's bit is
 set only after its hash matched; nothing reads an unset chunk.  Readers in
 other threads block in ``wait_chunks`` until their chunks are verified (and
 every sink that tracks readiness has them).  The node's event loop is the only
@@ -10,11 +16,167 @@ writer.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
+import tempfile
 import threading
 import time
 
 import numpy as np
+
+from .errors import UserError
+
+PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+MAP_FAILED = ctypes.c_void_p(-1).value
+MAP_FIXED = 0x10
+
+
+class SpaceError(UserError, OSError):
+    """Too little free space for a file-backed store; the message names the bytes needed and free."""
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still allocate on the filesystem holding ``directory`` (or its nearest
+    existing ancestor)."""
+    d = os.path.abspath(directory)
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    st = os.statvfs(d)
+    return st.f_bavail * st.f_frsize
+
+
+def check_space(directory: str, needed: int, what: str) -> None:
+    free = free_bytes(directory)
+    if needed > free:
+        raise SpaceError(f"not enough space under {directory} for {what}: needs {needed} bytes "
+                         f"({needed / 2**30:.2f} GiB), {free} bytes free ({free / 2**30:.2f} GiB)")
+
+
+class FileMap:
+    """One contiguous address range of ``size`` bytes with files mapped shared over their slices.
+
+    ``parts`` are ``(fd, offset, length)``: file ``fd``'s first ``length``
+    bytes appear at ``offset`` (a multiple of the page size: the blob layout
+    starts every file on a 4 KiB boundary; on a host with larger pages a
+    read-only map copies the files into its memory instead, a writable one
+    is refused).  The range is an anonymous
+    mapping first (so padding reads as zeros) with each file mapped over its
+    slice (MAP_FIXED); the tail of a file's last page past its end is the
+    padding before the next file.  ``buffer`` (a Python ``mmap``) owns the
+    range: closing it, or dropping the last view of it, unmaps everything.
+    The fds may be closed once mapped.
+    """
+
+    def __init__(self, size: int, parts, writable: bool):
+        self.size = size
+        self.buffer = mmap.mmap(-1, max(align_page(size), PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        probe = ctypes.c_char.from_buffer(self.buffer)
+        self.base = ctypes.addressof(probe)
+        del probe  # a live export would keep the mmap from ever closing
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        misaligned = any(offset % PAGE for _, offset, length in parts if length)
+        self.copied = misaligned  # pages larger than the layout's 4 KiB: read into memory, not mapped
+        try:
+            if misaligned and writable:
+                raise OSError(f"this host's {PAGE}-byte pages are larger than the blob layout's 4 KiB "
+                              "alignment: files cannot be mapped at their blob offsets")
+            for fd, offset, length in parts:
+                if length == 0:
+                    continue
+                if misaligned:
+                    self._read(fd, offset, length)
+                    continue
+                addr = _libc.mmap(self.base + offset, align_page(length), prot, mmap.MAP_SHARED | MAP_FIXED, fd, 0)
+                if addr in (None, MAP_FAILED) or addr != self.base + offset:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"cannot map a file into the store: {os.strerror(err)}")
+        except BaseException:
+            self.buffer.close()
+            raise
+
+    def _read(self, fd: int, offset: int, length: int) -> None:
+        view = memoryview(self.buffer)[offset: offset + length]
+        try:
+            done = 0
+            while done < length:
+                n = os.preadv(fd, [view[done:]], done)
+                if n == 0:
+                    raise OSError(f"a file ended after {done} of its {length} bytes")
+                done += n
+        finally:
+            view.release()
+
+
+def align_page(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def temp_backing(size: int, directory: str | None = None) -> mmap.mmap:
+    """A ``size``-byte buffer backed by an unlinked temporary file (for a blob over the memory budget).
+
+    Its pages are page cache, not anonymous memory: the kernel writes them
+    back and frees them under pressure.  Space is checked and allocated
+    up front; the file vanishes with the mapping.
+    """
+    directory = directory or os.environ.get("P2PW_TMPDIR") or tempfile.gettempdir()
+    check_space(directory, size, "the blob's temporary file")
+    with tempfile.TemporaryFile(dir=directory) as f:
+        os.posix_fallocate(f.fileno(), 0, max(size, 1))
+        return FileMap(size, [(f.fileno(), 0, size)], writable=True).buffer
+
+
+def available_memory() -> int:
+    """Bytes of memory this process may still use: MemAvailable, or less under a cgroup memory limit."""
+    avail = 1 << 62
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return min([avail] + [max(limit - usage, 0) for limit, usage in _cgroup_limits()])
+
+
+def _cgroup_limits():
+    """(limit, usage) of this process's memory cgroup, v1 or v2, where one is set."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            places = [("/sys/fs/cgroup/memory" + path, "memory.limit_in_bytes", "memory.usage_in_bytes")]
+        elif controllers == "":
+            places = [(root + path, "memory.max", "memory.current") for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")]
+        else:
+            continue
+        for d, limit_file, usage_file in places:
+            try:
+                with open(os.path.join(d, limit_file)) as a, open(os.path.join(d, usage_file)) as b:
+                    limit, usage = a.read().strip(), int(b.read())
+            except (OSError, ValueError):
+                continue
+            if limit.isdigit() and int(limit) < 1 << 60:
+                yield int(limit), usage
+            break
+
+
+def memory_budget() -> int:
+    """Default largest blob kept in anonymous memory: half the memory available now (``P2PW_MEMORY_BUDGET``
+    overrides, in bytes)."""
+    env = os.environ.get("P2PW_MEMORY_BUDGET")
+    return int(env) if env else available_memory() // 2
+
+
+def blob_backing(size: int, budget: int | None = None):
+    """Anonymous memory for a blob within ``budget`` bytes (default ``memory_budget()``), else a temp file."""
+    budget = memory_budget() if budget is None else budget
+    return host_buffer(size) if size <= budget else temp_backing(size)
 
 
 def host_buffer(size: int):
@@ -44,9 +206,11 @@ class StoreClosed(RuntimeError):
 class Store:
     """Blob buffer, bitfield of verified chunks, and range waiters."""
 
+    writable = True  # chunks may be written into ``chunk(i)`` (received, or read from a source)
+
     def __init__(self, manifest, buffer=None):
         self.manifest = manifest
-        self.buffer = buffer if buffer is not None else host_buffer(manifest.total_size)
+        self.buffer = buffer if buffer is not None else blob_backing(manifest.total_size)
         self.view = memoryview(self.buffer).cast("B")
         if len(self.view) < manifest.total_size:
             raise ValueError(f"buffer of {len(self.view)} bytes cannot hold a {manifest.total_size}-byte blob")
@@ -91,6 +255,15 @@ class Store:
                 self.done_at = now
             self.cond.notify_all()
 
+    def close(self) -> None:
+        """Unmap the backing now if no view of it is still in use (else when the last one goes)."""
+        try:
+            self.view.release()
+            if hasattr(self.buffer, "close"):
+                self.buffer.close()
+        except (BufferError, ValueError):
+            pass
+
     def hold_all(self) -> None:
         """Every chunk is already in the buffer and verified (a seeder that hashed it while reading)."""
         with self.cond:
@@ -120,3 +293,40 @@ class Store:
                 if left is not None and left <= 0:
                     return False
                 self.cond.wait(left if left is not None else 1.0)
+
+
+class SourceStore(Store):
+    """A seeder's store: its source files mapped read-only.
+
+    The scan read each byte from storage once and left it in the page cache,
+    where these mappings find it: a chunk sent to a child is read from
+    memory, not storage.  Pages the kernel dropped since are read from
+    storage again by the send; the seeder counts those reads from the
+    kernel's own I/O accounting (``source.storage_read_bytes``).
+    """
+
+    writable = False  # read-only mappings: nothing is ever written into this store
+
+    @classmethod
+    def open(cls, manifest, path) -> "SourceStore":
+        """Map the files of checkpoint ``path`` (a file or a directory) as ``manifest`` lays them out."""
+        from .source import SourceError
+
+        root = os.fspath(path)
+        fds = []
+        try:
+            for f in manifest.files:
+                full = os.path.join(root, f["name"]) if os.path.isdir(root) else root
+                try:
+                    fd = os.open(full, os.O_RDONLY)
+                except OSError as e:
+                    raise SourceError(f"cannot read {full}: {e.strerror}") from None
+                fds.append((fd, f["offset"], f["size"]))
+                size = os.fstat(fd).st_size
+                if size != f["size"]:  # a mapping past the end of a file faults (SIGBUS): never serve one
+                    raise SourceError(f"{full} is {size} bytes, the manifest says {f['size']}: "
+                                      "was it changed while being served?")
+            return cls(manifest, FileMap(manifest.total_size, fds, writable=False).buffer)
+        finally:
+            for fd, _, _ in fds:
+                os.close(fd)

@@ -84,17 +84,29 @@ def test_join_through_a_peer_lands_where_the_tracker_says(procs, tmp_path, model
     seeder.wait_line(r"joined as rank 3 under rank 1")
 
 
-def test_partial_names_until_complete(procs, tmp_path, model_dir):
-    """While chunks are missing the files exist only as NAME.partial; complete files appear by rename."""
+def test_files_final_as_they_complete(procs, tmp_path, model_dir):
+    """Each file keeps a .partial name until all its chunks are verified, then gets its final name at once:
+    the small files (config, tokenizer) lead the blob, so they are final while the shards still download;
+    DIR/.p2pw/complete.json appears only after the last file."""
     seeder, info = procs.seeder(model_dir, "--chunk-size", CHUNK)
     slow = procs.join(info["port"], tmp_path / "p", env={"P2PW_FAULTS": "delay_recv=20ms"})
+    small = sorted(n for n in os.listdir(model_dir) if not n.endswith(".safetensors"))  # config, tokenizer, index
     deadline = time.monotonic() + 30
-    while not list((tmp_path / "p").glob("*.partial")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    names = os.listdir(tmp_path / "p")
-    assert names and all(n.endswith(".partial") for n in names), names
+    while not all((tmp_path / "p" / n).exists() for n in small) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    names = sorted(os.listdir(tmp_path / "p"))
+    shards = [n for n in os.listdir(model_dir) if n.endswith(".safetensors")]
+    assert small and all(n in names for n in small), names
+    for n in small:
+        assert (tmp_path / "p" / n).read_bytes() == (model_dir / n).read_bytes()
+    assert all(n + ".partial" in names and n not in names for n in shards), names
+    assert not (tmp_path / "p" / ".p2pw" / "complete.json").exists()
     assert slow.wait(90) == 0, slow.output()
     assert same_tree(model_dir, tmp_path / "p") == []
+    marker = json.loads((tmp_path / "p" / ".p2pw" / "complete.json").read_text())
+    assert marker["model_id"] == info["model_id"]
+    assert sorted(f["name"] for f in marker["files"]) == sorted(os.listdir(model_dir))
+    assert marker["bytes"] == sum(os.path.getsize(model_dir / n) for n in os.listdir(model_dir))
 
 
 def test_seed_with_a_published_manifest_serves_without_a_scan(procs, tmp_path, model_dir):

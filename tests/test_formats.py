@@ -8,7 +8,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from p2pweights.formats import ALIGN, FormatError, checkpoint_files, layout, read_safetensors_header
+from p2pweights.formats import ALIGN, FormatError, checkpoint_files, layout, read_safetensors_header, scan
 from p2pweights.synth import write_safetensors
 
 
@@ -119,11 +119,13 @@ def test_layout_directory(tmp_path):
 
     names = [n for n, _, _ in checkpoint_files(root)]
     assert names == sorted(names) == ["b.safetensors", "config.json", "empty.txt",
-                                      "sub/a.safetensors", "sub/deeper/note.txt"]
+                                      "sub/.hidden", "sub/a.safetensors", "sub/deeper/note.txt"]
     files, tensors, total = layout(root)
-    assert [f["name"] for f in files] == names
+    # small non-tensor files first (final within the first chunks of a copy), then the tensor files
+    assert [f["name"] for f in files] == ["config.json", "empty.txt", "sub/.hidden", "sub/deeper/note.txt",
+                                          "b.safetensors", "sub/a.safetensors"]
     assert all(f["offset"] % ALIGN == 0 for f in files)
-    assert files[2]["size"] == 0
+    assert files[1]["size"] == 0
     for prev, cur in zip(files, files[1:]):
         assert cur["offset"] >= prev["offset"] + prev["size"]
         assert cur["offset"] - (prev["offset"] + prev["size"]) < ALIGN
@@ -171,8 +173,8 @@ def test_missing_path(tmp_path):
 
 
 def test_empty_directory(tmp_path):
-    (tmp_path / "d" / ".cache").mkdir(parents=True)
-    (tmp_path / "d" / ".cache" / "x").write_bytes(b"x")
+    (tmp_path / "d" / ".cache" / "huggingface").mkdir(parents=True)
+    (tmp_path / "d" / ".cache" / "huggingface" / "x").write_bytes(b"x")
     with pytest.raises(FormatError, match=r"d: directory holds no"):
         checkpoint_files(tmp_path / "d")
 
@@ -246,3 +248,69 @@ def test_metadata_skipped(tmp_path):
     tensors, start = read_safetensors_header(path)
     assert [t["name"] for t in tensors] == ["w"]
     assert path.read_bytes()[tensors[0]["offset"]:][:3] == b"abc"
+
+
+def test_every_file_dot_files_included_and_default_skips_listed(tmp_path):
+    """A Hugging Face local_dir is copied whole (.gitattributes too); .git/, .p2pw/, .cache/huggingface/ are not."""
+    root = tmp_path / "m"
+    for d in (".git/objects", ".p2pw", ".cache/huggingface/download", ".cache/other", "sub/.git"):
+        (root / d).mkdir(parents=True)
+    for f in (".gitattributes", ".git/HEAD", ".git/objects/x", ".p2pw/complete.json",
+              ".cache/huggingface/download/a.lock", ".cache/other/keep.txt", "sub/.git/y", "sub/.env", "w.bin"):
+        (root / f).write_bytes(b"x" * 10)
+    w = scan(root)
+    assert [n for n, _, _ in w.files] == [".cache/other/keep.txt", ".gitattributes", "sub/.env", "w.bin"]
+    assert sorted(w.skipped) == [".cache/huggingface/", ".git/", ".p2pw/", "sub/.git/"]
+
+
+def test_exclude_globs(tmp_path):
+    root = tmp_path / "m"
+    (root / "original").mkdir(parents=True)
+    (root / "sub").mkdir()
+    for f in ("original/consolidated.pth", "sub/a.bin", "b.bin", "keep.json", "sub/.DS_Store"):
+        (root / f).write_bytes(b"x")
+    w = scan(root, exclude=["original/", "*.bin", ".DS_Store"])
+    assert [n for n, _, _ in w.files] == ["keep.json"]
+    assert sorted(w.skipped) == ["b.bin", "original/", "sub/.DS_Store", "sub/a.bin"]
+    assert [f["name"] for f in layout(root, exclude=["*.json"])[0]] == [
+        "b.bin", "original/consolidated.pth", "sub/.DS_Store", "sub/a.bin"]
+    assert [n for n, _, _ in checkpoint_files(root, exclude=["original", "sub"])] == ["b.bin", "keep.json"]
+
+
+def test_special_files_and_bad_symlinks_are_one_error_naming_them(tmp_path):
+    import socket
+
+    root = tmp_path / "m"
+    (root / "sub").mkdir(parents=True)
+    (root / "w.bin").write_bytes(b"x")
+    (tmp_path / "outside.bin").write_bytes(b"o")
+    os.mkfifo(root / "pipe")
+    os.symlink(tmp_path / "outside.bin", root / "escape")
+    os.symlink(root / "loop_b", root / "loop_a")
+    os.symlink(root / "loop_a", root / "loop_b")
+    os.symlink("..", root / "sub" / "up")  # a directory link back to an ancestor: the walk would never end
+    os.symlink("w.bin", root / "inside")  # a link to a file inside the tree is copied as that file
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(root / "sock"))
+    try:
+        with pytest.raises(FormatError) as e:
+            scan(root)
+    finally:
+        sock.close()
+    msg = str(e.value)
+    assert "\n" not in msg and "cannot copy 6 entries" in msg, msg
+    for part in ("pipe (fifo)", "sock (socket)", "escape (symlink leaving the tree", "loop_a (symlink that loops",
+                 "loop_b (symlink that loops", "sub/up (symlink that loops"):
+        assert part in msg, msg
+    os.remove(root / "pipe"), os.remove(root / "sock"), os.remove(root / "escape"), os.remove(root / "loop_a")
+    os.remove(root / "loop_b"), os.remove(root / "sub" / "up")
+    assert [(n, s) for n, _, s in checkpoint_files(root)] == [("inside", 1), ("w.bin", 1)]
+
+
+def test_hugging_face_snapshot_links_into_its_blobs(tmp_path):
+    repo = tmp_path / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "blobs" / "1234").write_bytes(b"{}")
+    os.symlink("../../blobs/1234", repo / "snapshots" / "abc" / "config.json")
+    assert [(n, s) for n, _, s in checkpoint_files(repo / "snapshots" / "abc")] == [("config.json", 2)]

@@ -140,7 +140,7 @@ def test_cpu_loading_peer_still_forwards(tmp_path, seeders, downloads):
     assert a.stats.bytes_sent > 0
     assert_same(b.state_dict(), reference(tmp_path / "m"))
     assert_same(a.state_dict(timeout=60), reference(tmp_path / "m"))
-    assert sorted(os.listdir(tmp_path / "b")) == sorted(os.listdir(tmp_path / "m"))
+    assert sorted(os.listdir(tmp_path / "b")) == sorted(os.listdir(tmp_path / "m") + [".p2pw"])  # + the marker
 
 
 def test_cli_join_device_prints_stage_report(tmp_path, procs):

@@ -306,7 +306,8 @@ def test_object_changed_while_serving_is_reported_and_never_served(procs, tmp_pa
     assert others
     deadline = time.monotonic() + 60
     while True:
-        have = [(tmp_path / "peer" / (g["name"] + ".partial")) for g in others]
+        # each of them final as soon as it is complete (until then NAME.partial)
+        have = [tmp_path / "peer" / g["name"] for g in others]
         if all(p.exists() and p.read_bytes() == (model_dir / g["name"]).read_bytes() for p, g in zip(have, others)):
             break
         assert time.monotonic() < deadline, peer.output()

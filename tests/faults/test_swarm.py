@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from conftest import same_tree
-from test_faults import on_disk, report, wait_fraction
+from test_faults import report, verified, wait_fraction
 
 from p2pweights.synth import write_synthetic_model
 
@@ -82,7 +82,7 @@ def test_seeder_killed_for_good_peers_finish_what_others_hold_the_rest_give_up(p
         err = p.output()
         assert "no chunk arrived for 4 s" in err and "join again to resume" in err, err
         assert err.count("p2pw: error:") == 1, err
-        assert on_disk(tmp_path / f"c{k}") > 0  # verified chunks are kept for a resume
+        assert verified(tmp_path / f"c{k}") > 0  # verified chunks are kept for a resume (.p2pw/progress.json)
 
 
 def joins_then_seeder_killed(procs, tmp_path, seeder, info, name, give_up, pace):

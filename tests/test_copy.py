@@ -1,0 +1,116 @@
+"""The copy on a joiner's disk, end to end: every file (dot-files too), default skips listed, --exclude,
+the completion marker, and a restart into a complete copy (served at once; --verify full re-hashes)."""
+import json
+import os
+
+from conftest import same_tree
+
+from p2pweights.synth import write_synthetic_model
+
+CHUNK = "64KiB"
+
+
+def hf_local_dir(root):
+    """A model as huggingface_hub leaves it in a local_dir: dot-files, .git/, .cache/huggingface/."""
+    write_synthetic_model(root, size_mb=2, shards=2)
+    (root / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (root / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (root / ".cache" / "huggingface" / "download" / "config.json.metadata").write_text("x")
+    (root / "original").mkdir()
+    (root / "original" / "params.json").write_text("{}")
+    return root
+
+
+def test_every_file_is_copied_and_the_skipped_are_listed(procs, tmp_path):
+    src = hf_local_dir(tmp_path / "model")
+    seeder, info = procs.seeder(src, "--chunk-size", CHUNK, "--exclude", "original/")
+    line = seeder.wait_line(r"^p2pw: not served: ").string
+    for skipped in (".git/", ".cache/huggingface/", "original/"):
+        assert skipped in line, line
+    peer = procs.join(info["port"], tmp_path / "copy", "--model-id", info["model_id"])
+    assert peer.wait(60) == 0, peer.output()
+    assert (tmp_path / "copy" / ".gitattributes").read_bytes() == (src / ".gitattributes").read_bytes()
+    for gone in (".git", ".cache", "original"):
+        assert not (tmp_path / "copy" / gone).exists()
+    (tmp_path / "expect").mkdir()
+    for name in os.listdir(src):
+        if name not in (".git", ".cache", "original"):
+            os.link(src / name, tmp_path / "expect" / name)
+    assert same_tree(tmp_path / "expect", tmp_path / "copy") == []
+    marker = json.loads((tmp_path / "copy" / ".p2pw" / "complete.json").read_text())
+    assert marker["model_id"] == info["model_id"] and ".gitattributes" in [f["name"] for f in marker["files"]]
+
+
+def test_restart_into_a_complete_copy_serves_at_once(procs, tmp_path):
+    src = tmp_path / "model"
+    write_synthetic_model(src, size_mb=2, shards=2)
+    seeder, info = procs.seeder(src, "--chunk-size", CHUNK)
+    copy = tmp_path / "copy"
+    first = procs.join(info["port"], copy, "--report", tmp_path / "1.json")
+    assert first.wait(60) == 0, first.output()
+    n_chunks = -(-info["total_size"] // 65536)
+    # a byte changed behind p2pw's back with size and mtime kept: only a re-hash can tell
+    shard = copy / "model-00002-of-00002.safetensors"
+    st = shard.stat()
+    raw = bytearray(shard.read_bytes())
+    raw[st.st_size // 2] ^= 0xFF
+    shard.write_bytes(raw)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    again = procs.join(info["port"], copy, "--report", tmp_path / "2.json", "--model-id", info["model_id"])
+    assert again.wait(60) == 0, again.output()
+    assert "complete (its marker matches): serving it, fetching nothing" in again.output()
+    r = json.loads((tmp_path / "2.json").read_text())
+    assert r["received"] == 0 and r["resumed"] == n_chunks, r  # nothing fetched, nothing re-hashed
+
+    full = procs.join(info["port"], copy, "--report", tmp_path / "3.json", "--verify", "full")
+    assert full.wait(60) == 0, full.output()
+    r = json.loads((tmp_path / "3.json").read_text())
+    assert r["resumed"] == n_chunks - 1 and r["received"] == 1, r  # the changed chunk found and fetched again
+    assert same_tree(src, copy) == []
+
+
+def test_a_fifo_in_the_checkpoint_is_one_error_line_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "model"
+    write_synthetic_model(src, size_mb=1, shards=1)
+    os.mkfifo(src / "pipe")
+    os.symlink("/etc/hostname", src / "escape")
+    for cmd in (["seed", src, "--port", "0"], ["manifest", src]):
+        r = subprocess.run([sys.executable, "-m", "p2pweights", *map(str, cmd)], capture_output=True, text=True,
+                           timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("p2pw: error:"), r.stderr
+        assert "pipe (fifo)" in lines[0] and "escape (symlink leaving the tree" in lines[0], lines[0]
+
+
+def test_manifest_exclude_leaves_files_out(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "model"
+    write_synthetic_model(src, size_mb=1, shards=1)
+    (src / "notes.md").write_text("x")
+    r = subprocess.run([sys.executable, "-m", "p2pweights", "manifest", src, "--exclude", "*.md"],
+                       capture_output=True, text=True, timeout=60)
+    names = [f["name"] for f in json.loads(r.stdout)["files"]]
+    assert r.returncode == 0 and "notes.md" not in names and "config.json" in names, names
+
+
+def test_library_join_into_a_complete_copy_loads_tensors(tmp_path):
+    """A copy served from its marker still feeds a loader: every chunk is handed to the sinks."""
+    import p2pweights
+
+    src = tmp_path / "model"
+    write_synthetic_model(src, size_mb=1, shards=1)
+    with p2pweights.seed(src, port=0, host="127.0.0.1") as s:
+        with p2pweights.join(f"127.0.0.1:{s.port}", host="127.0.0.1", out=str(tmp_path / "c")) as d:
+            d.wait(60)
+        with p2pweights.join(f"127.0.0.1:{s.port}", host="127.0.0.1", out=str(tmp_path / "c"), device="cpu") as d:
+            assert d.cache.complete
+            sd = d.state_dict(timeout=60)
+            assert d.stats.chunks_received == 0 and "lm_head.weight" in sd
