@@ -19,7 +19,8 @@ import zmq
 from . import catalog, keys, protocol
 from .errors import P2PError
 from .cache import DiskCache
-from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, ManifestError, build, check_model_id
+from .chunker import build
+from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
 from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
 from .store import SourceStore, Store, StoreClosed, blob_backing

@@ -274,7 +274,7 @@ def cmd_pack(args) -> int:
 
 
 def cmd_manifest(args) -> int:
-    from .manifest import build
+    from .chunker import build
 
     if args.path.startswith("s3://"):
         from .objstore import S3Checkpoint

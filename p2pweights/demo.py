@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from .manifest import build
+from .chunker import build
 from .source import verify_copy
 from .synth import write_synthetic_model
 

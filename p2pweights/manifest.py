@@ -143,40 +143,6 @@ def canonical(doc: dict) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def build(path, chunk_size: int = DEFAULT_CHUNK_SIZE, hash: str = "xxh3_64", into=None, on_chunk=None,
-          exclude=()):
-    """Read checkpoint ``path`` once: (Manifest, bytes read from storage, the ``into`` buffer or None).
-
-    Each chunk is read from storage exactly once; when ``into`` is given it is
-    called with the blob's size and returns a writable buffer where the bytes
-    land, so a seeder keeps what it hashed.  ``on_chunk(index)`` is called
-    after each chunk is hashed.  ``exclude``: globs of entries left out (see ``formats.scan``).
-    """
-    from . import formats
-    from .source import BlobSource
-
-    if chunk_size <= 0 or chunk_size % formats.ALIGN:
-        raise ManifestError(f"chunk size must be a positive multiple of {formats.ALIGN}, got {chunk_size}")
-    files, tensors, total = formats.layout(path, exclude)
-    digest = chunk_hasher(hash)
-    source = BlobSource(path, files)
-    chunks = []
-    buffer = into(total) if into is not None else None
-    scratch = None if buffer is not None else bytearray(chunk_size)
-    try:
-        for index, lo in enumerate(range(0, total, chunk_size)):
-            hi = min(lo + chunk_size, total)
-            view = memoryview(buffer)[lo:hi] if buffer is not None else memoryview(scratch)[: hi - lo]
-            source.read_into(lo, view)
-            chunks.append(digest(view))
-            if on_chunk:
-                on_chunk(index)
-    finally:
-        source.close()
-    m = Manifest(total_size=total, chunk_size=chunk_size, chunks=chunks, files=files, tensors=tensors, hash=hash)
-    return m, source.bytes_read, buffer
-
-
 def file_segments(files: list[dict], lo: int, hi: int):
     """Yield (file entry, offset in file, blob lo, blob hi) for each file overlapping blob bytes [lo, hi)."""
     for f in files:

@@ -420,7 +420,7 @@ class S3Checkpoint:
     def build(self, chunk_size: int = 4 << 20, hash: str = "xxh3_64", into=None):
         """Read the blob once, in parallel: (Manifest with each file's ETag, bytes read, the ``into`` buffer or None).
 
-        As ``manifest.build``: ``into(size)`` returns the buffer where the bytes stay (a seeder's store)."""
+        As ``chunker.build``: ``into(size)`` returns the buffer where the bytes stay (a seeder's store)."""
         if chunk_size <= 0 or chunk_size % formats.ALIGN:
             raise ManifestError(f"chunk size must be a positive multiple of {formats.ALIGN}, got {chunk_size}")
         digest = chunk_hasher(hash)

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from p2pweights.manifest import Manifest, ManifestError, build, file_segments
+from p2pweights.chunker import build
+from p2pweights.manifest import Manifest, ManifestError, file_segments
 from p2pweights.source import BlobSource, verify_copy
 
 CHUNK = 64 << 10

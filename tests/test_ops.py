@@ -242,7 +242,7 @@ def test_fleet_snapshot_stays_consistent_while_peers_join_and_leave(procs, tmp_p
 
 def test_snapshot_and_status_reply_are_bounded(tmp_path):
     """A fleet larger than a STATUS_REPLY lists: the slowest are shown, the count covers all."""
-    from p2pweights.manifest import build
+    from p2pweights.chunker import build
 
     (tmp_path / "w.bin").write_bytes(b"x" * 7 * 4096)
     man, _, _ = build(tmp_path / "w.bin", 4096)

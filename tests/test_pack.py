@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from p2pweights.formats import ALIGN, FormatError, layout
-from p2pweights.manifest import build
+from p2pweights.chunker import build
 from p2pweights.pack import BLOB, INDEX, forward_key, pack, unpack
 from p2pweights.synth import write_synthetic_model
 

@@ -25,7 +25,8 @@ from conftest import ROOT, p2pw_argv, same_tree
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from p2pweights.manifest import Manifest, build  # noqa: E402
+from p2pweights.chunker import build  # noqa: E402
+from p2pweights.manifest import Manifest  # noqa: E402
 from p2pweights.objstore import Retry  # noqa: E402
 
 CREDS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -208,7 +208,7 @@ class FakeTracker:
 def test_joiner_checks_what_a_lying_tracker_sends(tmp_path, model, case):
     """The pin is checked by the joiner itself, before any byte is written, even if the tracker ignores it."""
     from p2pweights.api import P2PError, join
-    from p2pweights.manifest import build
+    from p2pweights.chunker import build
 
     path, _ = model
     m, _, _ = build(path, CHUNK)
@@ -258,7 +258,8 @@ def test_blake3_without_package_is_a_clear_error(monkeypatch):
 
 
 def test_strong_hashes_verify(tmp_path, model):
-    from p2pweights.manifest import build, chunk_hasher
+    from p2pweights.chunker import build
+    from p2pweights.manifest import chunk_hasher
 
     path, data = model
     for name in ("sha256", "blake2b"):

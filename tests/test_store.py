@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from p2pweights.cache import CacheError, DiskCache
-from p2pweights.manifest import build
+from p2pweights.chunker import build
 from p2pweights.source import BlobSource
 from p2pweights.store import FileMap, SourceStore, Store, blob_backing
 
