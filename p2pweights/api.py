@@ -431,6 +431,36 @@ def _welcome_manifest(event, addr: str, model_id: str | None) -> Manifest:
         raise P2PError(str(e)) from None
 
 
+def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, started: float, out):
+    """Connect a joined node to its plan, its copy on disk and its device sink; returns the loader."""
+    manifest = store.manifest
+    recovered = cache.recover(store) if cache is not None else []
+    for index in recovered:  # chunks an earlier run left on disk: verified again, never fetched again
+        node.pull.verified(index)
+    node.attach_tracker(link, tracker_addr, welcome["rank"])
+    partners = welcome.get("partners") if isinstance(welcome.get("partners"), list) else []
+    node.partners.set_plan(welcome["parents"], partners, welcome["stripes"])
+    if cache is not None:
+        cache.on_error = node.fail
+        node.extra_done.append(cache.finished.is_set)
+        store.sinks.append(cache)
+    loader = None
+    if device is not None:
+        from .device import Loader
+
+        loader = Loader(node, store, device, started)
+    for index in recovered:
+        store.verified(index)
+    node.stats.resumed = len(recovered)
+    if cache is not None and cache.complete:
+        log.warning("%s already holds model %s, complete (its marker matches): serving it, fetching nothing",
+                    out, manifest.model_id[:16])
+    elif recovered:
+        log.warning("resumed from %s: %d of %d chunks on disk verified; fetching the rest",
+                    out, len(recovered), manifest.n_chunks)
+    return loader
+
+
 def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0.0.0",
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
          connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
@@ -455,7 +485,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     """
     started = time.monotonic()
     if device is not None:
-        from .device import Loader, parse_device  # imports torch: only when a device is asked for
+        from .device import parse_device  # imports torch: only when a device is asked for
         parse_device(device)
     if model_id is not None:
         try:
@@ -490,34 +520,13 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         raise
     node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window,
                 key=key, parent_timeout=parent_timeout, hello=hello, give_up_after=give_up_after)
-    recovered = cache.recover(store) if cache is not None else []
-    for index in recovered:  # chunks an earlier run left on disk: verified again, never fetched again
-        node.pull.verified(index)
-    node.attach_tracker(link, tracker_addr, welcome["rank"])
-    partners = welcome.get("partners") if isinstance(welcome.get("partners"), list) else []
-    node.partners.set_plan(welcome["parents"], partners, welcome["stripes"])
-    if cache is not None:
-        cache.on_error = node.fail
-        node.extra_done.append(cache.finished.is_set)
-        store.sinks.append(cache)
-    loader = None
-    if device is not None:
-        try:
-            loader = Loader(node, store, device, started)
-        except Exception:
-            node._close_sockets()
-            gate and gate.stop()
-            ctx.destroy(0)
-            raise
-    for index in recovered:  # chunks an earlier run left on disk: verified again, never fetched again
-        store.verified(index)
-    node.stats.resumed = len(recovered)
-    if cache is not None and cache.complete:
-        log.warning("%s already holds model %s, complete (its marker matches): serving it, fetching nothing",
-                    out, manifest.model_id[:16])
-    elif recovered:
-        log.warning("resumed from %s: %d of %d chunks on disk verified; fetching the rest",
-                    out, len(recovered), manifest.n_chunks)
+    try:
+        loader = _wire(node, store, cache, link, tracker_addr, welcome, device, started, out)
+    except Exception:
+        node._close_sockets()
+        gate and gate.stop()
+        ctx.destroy(0)
+        raise
     node.start()
     dl = Download(node, store, cache, welcome, started, hello["listen"])
     dl.loader = loader

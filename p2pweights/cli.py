@@ -211,7 +211,7 @@ def cmd_join(args) -> int:
         dl.state_dict()
         say("device", format_report(dl.stage_report()), report=dl.stage_report())
     wall = time.time() - time.monotonic()  # wall clock = monotonic + this, for comparing peer processes
-    write_json(args.report, {"rank": dl.rank, "parents": [x["rank"] for x in dl.parents], "seconds": secs,
+    write_json(args.report, {"rank": dl.rank, "parents": [x["rank"] for x in dl.parents], "plan": dl.parents, "seconds": secs,
                              "bytes": p["total"], "refetched": st.refetched, "bad_chunks": st.bad_chunks,
                              "bytes_sent": st.bytes_sent, "model_id": dl.model_id, "listen": dl.listen,
                              "resumed": st.resumed, "received": st.chunks_received, "stalled": st.stalled,
@@ -333,14 +333,9 @@ def s3_flags(p) -> None:
                    help="s3:// sources: bytes per ranged GET (default 8MiB)")
 
 
-def parser() -> argparse.ArgumentParser:
+def _seed_parser(sub) -> None:
+    """``p2pw seed``'s arguments."""
     from .manifest import DEFAULT_CHUNK_SIZE, HASH_NAMES
-
-    ap = argparse.ArgumentParser(prog="p2pw", description="Broadcast model weights to many hosts over a peer tree.")
-    ap.add_argument("-v", "--verbose", action="store_true", help="log every peer event")
-    ap.add_argument("--log-format", choices=("text", "json"), default="text",
-                    help="json: one JSON object per log line (ts, level, event, model_id, rank, ...)")
-    sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("seed", help="serve a checkpoint (file or directory) and run the tracker")
     s.add_argument("path", help="checkpoint file or directory, or s3://BUCKET/PREFIX (pip install 'p2pweights[s3]')")
@@ -374,6 +369,9 @@ def parser() -> argparse.ArgumentParser:
                         ".git/, .p2pw/ and .cache/huggingface/ are always skipped")
     s.set_defaults(func=cmd_seed)
 
+
+def _join_parser(sub) -> None:
+    """``p2pw join``'s arguments."""
     j = sub.add_parser("join", help="attach this host to a broadcast and download the checkpoint")
     j.add_argument("--parent", required=True, help="HOST[:PORT] of the seeder or any peer")
     j.add_argument("--out", help="write the checkpoint's files to this directory")
@@ -404,6 +402,20 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds between progress lines when stderr is not a terminal (default 10)")
     _ops_flags(j)
     j.set_defaults(func=cmd_join)
+
+
+def parser() -> argparse.ArgumentParser:
+    from .manifest import DEFAULT_CHUNK_SIZE
+
+    ap = argparse.ArgumentParser(prog="p2pw", description="Broadcast model weights to many hosts over a peer tree.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log every peer event")
+    ap.add_argument("--log-format", choices=("text", "json"), default="text",
+                    help="json: one JSON object per log line (ts, level, event, model_id, rank, ...)")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    _seed_parser(sub)
+
+    _join_parser(sub)
 
     st = sub.add_parser("status", help="ask the tracker for the fleet: each peer's rank, address, sources, "
                                        "progress, rate and state, the slowest first")

@@ -100,27 +100,7 @@ def run_demo(peers: int = 4, size_mb: float = 256, workdir: str | None = None, c
         seeder.wait(30)
         with open(seed_report) as f:
             seed_info = json.load(f)
-        manifest, _, _ = build(model, chunk_size)
-        print(f"\n{'peer':<7}{'rank':>5}{'parent':>8}{'seconds':>9}{'MB/s':>9}  copy")
-        all_ok = not failed
-        for k, (out, rep) in enumerate(zip(outs, reports)):
-            if not os.path.exists(rep):
-                all_ok = False
-                print(f"peer{k + 1:<3}{'-':>5}{'-':>8}{'-':>9}{'-':>9}  FAILED")
-                continue
-            with open(rep) as f:
-                r = json.load(f)
-            _, problem = verify_copy(out, manifest)
-            all_ok &= problem is None
-            print(f"peer{k + 1:<3}{r['rank']:>5}{','.join(map(str, r['parents'])):>8}{r['seconds']:>9.2f}"
-                  f"{r['bytes'] / r['seconds'] / 1e6:>9.1f}  {'verified' if problem is None else problem}")
-        print()
-        for stripe, tree in enumerate(_trees(seed_info["peers"])):
-            print(f"stripe {stripe}:  " + "; ".join(f"{p} -> {', '.join(map(str, c))}" for p, c in sorted(tree.items())))
-        print(f"seeder read {seed_info['bytes_read'] / 2**20:.1f} MiB from storage for a "
-              f"{seed_info['total_size'] / 2**20:.1f} MiB model ({seed_info['bytes_read'] / seed_info['total_size']:.2f}x), "
-              f"sent {seed_info['bytes_sent'] / 2**20:.1f} MiB; peers forwarded the rest")
-        print(f"demo: {'every copy verified' if all_ok else 'FAILED'} (work dir {work})")
+        all_ok = _report(model, chunk_size, outs, reports, seed_info, not failed, work)
         return 0 if all_ok else 1
     finally:
         for p in procs:
@@ -135,12 +115,40 @@ def run_demo(peers: int = 4, size_mb: float = 256, workdir: str | None = None, c
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _trees(peers: dict) -> list[dict[int, list[int]]]:
-    """Per stripe: parent rank -> the ranks it feeds by plan, from the seeder's report."""
+def _report(model, chunk_size, outs, reports, seed_info, ok: bool, work) -> bool:
+    """Print each peer's line, the plan per stripe and the seeder's reads; True if every copy verified."""
+    manifest, _, _ = build(model, chunk_size)
+    print(f"\n{'peer':<7}{'rank':>5}{'parent':>8}{'seconds':>9}{'MB/s':>9}  copy")
+    all_ok = ok
+    plans = {}  # rank -> [{stripe, rank}] its planned sources when it finished
+    for k, (out, rep) in enumerate(zip(outs, reports)):
+        if not os.path.exists(rep):
+            all_ok = False
+            print(f"peer{k + 1:<3}{'-':>5}{'-':>8}{'-':>9}{'-':>9}  FAILED")
+            continue
+        with open(rep) as f:
+            r = json.load(f)
+        _, problem = verify_copy(out, manifest)
+        all_ok &= problem is None
+        plans[r["rank"]] = r.get("plan", [])
+        print(f"peer{k + 1:<3}{r['rank']:>5}{','.join(map(str, r['parents'])):>8}{r['seconds']:>9.2f}"
+              f"{r['bytes'] / r['seconds'] / 1e6:>9.1f}  {'verified' if problem is None else problem}")
+    print()
+    for stripe, tree in enumerate(_trees(plans)):
+        print(f"stripe {stripe}:  " + "; ".join(f"{p} -> {', '.join(map(str, c))}" for p, c in sorted(tree.items())))
+    print(f"seeder read {seed_info['bytes_read'] / 2**20:.1f} MiB from storage for a "
+          f"{seed_info['total_size'] / 2**20:.1f} MiB model ({seed_info['bytes_read'] / seed_info['total_size']:.2f}x), "
+          f"sent {seed_info['bytes_sent'] / 2**20:.1f} MiB; peers forwarded the rest")
+    print(f"demo: {'every copy verified' if all_ok else 'FAILED'} (work dir {work})")
+    return all_ok
+
+
+def _trees(plans: dict) -> list[dict[int, list[int]]]:
+    """Per stripe: parent rank -> the ranks it feeds by plan (``plans``: rank -> [{stripe, rank}])."""
     trees: list[dict[int, list[int]]] = []
-    for rank, m in sorted(peers.items(), key=lambda kv: int(kv[0])):
-        for stripe, p in enumerate(m["parents"]):
-            while len(trees) <= stripe:
+    for rank, plan in sorted(plans.items()):
+        for p in plan:
+            while len(trees) <= p["stripe"]:
                 trees.append({})
-            trees[stripe].setdefault("partners" if p is None else p, []).append(int(rank))
+            trees[p["stripe"]].setdefault(p["rank"], []).append(int(rank))
     return trees

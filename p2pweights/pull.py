@@ -235,7 +235,7 @@ class PullScheduler:
         ready = [lk for lk in self.links.values() if lk.ready and lk.free()]
         for lk in ready:  # 1. waiters first, from whoever holds them
             self._ask(lk, self._pick(lk, self.urgent & lk.holds, lk.free()), out)
-        lagging, orphaned = self._help_mask()
+        lagging, orphaned = _help_mask(self)
         peers_hold = self._peers_hold()
         for lk in sorted(ready, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
             mine = orphaned & lk.holds if lk.rank != SEEDER else orphaned & (peers_hold == 0)
@@ -256,7 +256,7 @@ class PullScheduler:
                 budget -= len(chunks)
                 self._ask(lk, chunks, out)
         if not self._wanted().any() and not self.have.all():  # 4. endgame: a second holder
-            self._endgame(ready, out)
+            _endgame(self, ready, out)
         return list(out.items())
 
     def stalled(self) -> list[tuple[int, list[int]]]:
@@ -308,35 +308,6 @@ class PullScheduler:
         rates = [lk.rate for lk in self.links.values() if lk.rate > 0]
         return float(np.median(rates)) if rates else 0.0
 
-    def _help_mask(self) -> tuple[np.ndarray, np.ndarray]:
-        """Chunks other partners may be asked for (stripes whose planned source lags), and the
-        subset whose planned source is gone (which the seeder may serve too)."""
-        mask, orphaned = np.zeros(self.n, bool), np.zeros(self.n, bool)
-        self.movable[:] = False
-        peers_hold = self._peers_hold()
-        for s, rank in enumerate(self.plan):
-            src = self.links.get(rank) if rank is not None else None
-            in_stripe = self.stripe_of == s
-            missing = ~self.have & in_stripe
-            if src is None:  # gone (given up, or never named): every holder shares the stripe
-                lagging = True
-                orphaned |= missing & ~self.inflight
-            elif not src.ready:  # still attaching: wait for it (a silent one is given up, then orphaned)
-                lagging = False
-            else:
-                others = (peers_hold - (src.holds if rank != SEEDER else 0)) > 0
-                lacks = int((missing & others & ~src.holds).sum())
-                rates = [lk.rate for lk in self.links.values() if lk.rate > 0 and lk is not src]
-                slow = src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * float(np.median(rates))
-                lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow
-            if lagging:
-                mask |= missing & ~self.inflight
-                if src is not None and src.holds is not None and slow:  # parked at a slow source
-                    parked = [i for i in src.outstanding if not src.holds[i] and len(self.asked[i]) == 1]
-                    mask[parked] = True
-                    self.movable[parked] = True
-        return mask & ~self.have, orphaned
-
     def _pick(self, lk: Link, mask: np.ndarray, k: int, rarest: bool = False, park: int = 0) -> list[int]:
         """Up to ``k`` chunks of ``mask`` to ask of ``lk``: lowest first (or rarest among the lowest);
         ``park``: how many it may hold parked (asked before it has them) at once."""
@@ -384,33 +355,64 @@ class PullScheduler:
                 del self.asked[index]
                 self.inflight[index] = False
 
-    def _endgame(self, ready: list[Link], out: dict) -> None:
-        """Ask a second holder for a missing chunk whose request is overdue: outstanding more than
-        ``ENDGAME_LATE`` times what its link's queue and rate explain.  A chunk is a few MiB, so a
-        duplicate is asked only where it saves time, at most ``ENDGAME_PER_LINK`` per link."""
-        now = self.clock()
-        if self.missing() > max(ENDGAME_PER_LINK, 2 * len(ready)):
-            return
-        overdue = []
-        for i, ranks in self.asked.items():
-            if len(ranks) != 1 or self.have[i]:
-                continue
-            src = self.links[next(iter(ranks))]
-            if src.holds is None or not src.holds[i]:
-                continue  # parked: it waits for its own source, a second one would not be faster
-            expect = len(src.outstanding) * self.chunk_size / src.rate if src.rate > 0 else STALL_MIN
-            t = src.outstanding.get(i, now)
-            if now - t > ENDGAME_LATE * expect:
-                overdue.append((t, i, src.rank))
-        if not overdue:
-            return
-        for lk in sorted(ready, key=lambda x: -x.rate):
-            if lk.rank == SEEDER:
-                continue  # its uplink carries each chunk about once: no duplicates from it
-            dup = sum(1 for i in lk.outstanding if len(self.asked.get(i, ())) > 1)
-            free = min(lk.free(), ENDGAME_PER_LINK - dup)
-            picks = [i for _, i, r in sorted(overdue) if r != lk.rank and lk.holds[i] and len(self.asked[i]) == 1]
-            for i in picks[:max(0, free)]:
-                self.asked[i].add(lk.rank)
-                lk.outstanding[i] = now
-                out.setdefault(lk.rank, []).append(i)
+
+def _help_mask(sched: PullScheduler) -> tuple[np.ndarray, np.ndarray]:
+    """Chunks other partners may be asked for (stripes whose planned source lags), and the
+    subset whose planned source is gone (which the seeder may serve too)."""
+    mask, orphaned = np.zeros(sched.n, bool), np.zeros(sched.n, bool)
+    sched.movable[:] = False
+    peers_hold = sched._peers_hold()
+    for s, rank in enumerate(sched.plan):
+        src = sched.links.get(rank) if rank is not None else None
+        in_stripe = sched.stripe_of == s
+        missing = ~sched.have & in_stripe
+        if src is None:  # gone (given up, or never named): every holder shares the stripe
+            lagging = True
+            orphaned |= missing & ~sched.inflight
+        elif not src.ready:  # still attaching: wait for it (a silent one is given up, then orphaned)
+            lagging = False
+        else:
+            others = (peers_hold - (src.holds if rank != SEEDER else 0)) > 0
+            lacks = int((missing & others & ~src.holds).sum())
+            rates = [lk.rate for lk in sched.links.values() if lk.rate > 0 and lk is not src]
+            slow = src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * float(np.median(rates))
+            lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow
+        if lagging:
+            mask |= missing & ~sched.inflight
+            if src is not None and src.holds is not None and slow:  # parked at a slow source
+                parked = [i for i in src.outstanding if not src.holds[i] and len(sched.asked[i]) == 1]
+                mask[parked] = True
+                sched.movable[parked] = True
+    return mask & ~sched.have, orphaned
+
+
+def _endgame(sched: PullScheduler, ready: list[Link], out: dict) -> None:
+    """Ask a second holder for a missing chunk whose request is overdue: outstanding more than
+    ``ENDGAME_LATE`` times what its link's queue and rate explain.  A chunk is a few MiB, so a
+    duplicate is asked only where it saves time, at most ``ENDGAME_PER_LINK`` per link."""
+    now = sched.clock()
+    if sched.missing() > max(ENDGAME_PER_LINK, 2 * len(ready)):
+        return
+    overdue = []
+    for i, ranks in sched.asked.items():
+        if len(ranks) != 1 or sched.have[i]:
+            continue
+        src = sched.links[next(iter(ranks))]
+        if src.holds is None or not src.holds[i]:
+            continue  # parked: it waits for its own source, a second one would not be faster
+        expect = len(src.outstanding) * sched.chunk_size / src.rate if src.rate > 0 else STALL_MIN
+        t = src.outstanding.get(i, now)
+        if now - t > ENDGAME_LATE * expect:
+            overdue.append((t, i, src.rank))
+    if not overdue:
+        return
+    for lk in sorted(ready, key=lambda x: -x.rate):
+        if lk.rank == SEEDER:
+            continue  # its uplink carries each chunk about once: no duplicates from it
+        dup = sum(1 for i in lk.outstanding if len(sched.asked.get(i, ())) > 1)
+        free = min(lk.free(), ENDGAME_PER_LINK - dup)
+        picks = [i for _, i, r in sorted(overdue) if r != lk.rank and lk.holds[i] and len(sched.asked[i]) == 1]
+        for i in picks[:max(0, free)]:
+            sched.asked[i].add(lk.rank)
+            lk.outstanding[i] = now
+            out.setdefault(lk.rank, []).append(i)
