@@ -52,6 +52,7 @@ STALL_WINDOWS = 4  # a request is stalled after this many windows' worth of time
 PARK_AHEAD = 2  # chunks a planned source is asked for before it holds them (it forwards them at once)
 ENDGAME_LATE = 2.0  # a request this many times later than its link's queue explains is overdue
 ENDGAME_PER_LINK = 2  # endgame duplicates one link carries at once
+SEEDER_PATIENCE = 1.0  # seconds an orphaned chunk no partner holds waits before the seeder serves it
 SEEDER = 0  # rank of the seeder: serves beyond its planned stripes only what no partner holds,
 #             so its uplink carries each chunk about once
 
@@ -95,6 +96,7 @@ class PullScheduler:
         self.asked: dict[int, set[int]] = {}  # chunk -> ranks it is asked of
         self.urgent = np.zeros(n_chunks, bool)
         self.movable = np.zeros(n_chunks, bool)  # in flight, parked at a lagging source that lacks it
+        self.orphan_at = np.full(n_chunks, np.inf)  # since when no partner holds an orphaned chunk
         self.holders = np.zeros(n_chunks, np.int32)  # ready links holding each chunk
         self.links: dict[int, Link] = {}
         self.plan: list[int | None] = [None] * stripes
@@ -238,7 +240,7 @@ class PullScheduler:
         lagging, orphaned = _help_mask(self)
         peers_hold = self._peers_hold()
         for lk in sorted(ready, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
-            mine = orphaned & lk.holds if lk.rank != SEEDER else orphaned & (peers_hold == 0)
+            mine = orphaned & lk.holds if lk.rank != SEEDER else self._seeder_share(orphaned, peers_hold)
             mask = self._planned_mask(lk.rank)
             mask = mine if mask is None else mask | mine
             self._ask(lk, self._pick(lk, mask, lk.free(), park=PARK_AHEAD), out)
@@ -264,8 +266,8 @@ class PullScheduler:
         elsewhere (and to CANCEL there).  Returns them per link, for the log."""
         now = self.clock()
         out = []
-        if self.inflight.any() and not self._wanted().any():
-            self.dirty = True  # the endgame depends on time: look again for overdue requests
+        if (self.inflight.any() and not self._wanted().any()) or np.isfinite(self.orphan_at).any():
+            self.dirty = True  # the endgame and the seeder's patience depend on time: look again
         for lk in self.links.values():
             rate = lk.rate or self._typical_rate()
             bound = STALL_MAX if rate <= 0 else \
@@ -289,6 +291,15 @@ class PullScheduler:
         return np.flatnonzero(~self.have & (self.holders == 0)).tolist()
 
     # ----- internals ---------------------------------------------------------
+
+    def _seeder_share(self, orphaned: np.ndarray, peers_hold: np.ndarray) -> np.ndarray:
+        """Orphaned chunks the seeder may serve: those no partner has held for ``SEEDER_PATIENCE``
+        seconds (at the front of a stripe a partner usually has it a moment later)."""
+        now = self.clock()
+        nobody = orphaned & (peers_hold == 0)
+        self.orphan_at[~nobody] = np.inf
+        self.orphan_at[nobody] = np.minimum(self.orphan_at[nobody], now)
+        return nobody & (now - self.orphan_at >= SEEDER_PATIENCE)
 
     def _peers_hold(self) -> np.ndarray:
         """How many ready partners other than the seeder hold each chunk."""
