@@ -337,16 +337,7 @@ def status(addr: str, *, key: keys.FleetKey | None = None, timeout: float = 5.0)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_STATUS_BYTES)
             keys.secure_client(sock, key)
-            watch = keys.LinkWatch(sock, addr, key)
-            sock.connect(tcp(addr))
-            sock.send(protocol.control(Msg.STATUS))
-            try:
-                answered = watch.wait(timeout)
-            except keys.LinkRefused as e:
-                raise P2PError(str(e)) from None
-            finally:
-                watch.close()
-            if not answered:
+            if not _send_and_wait(sock, addr, protocol.control(Msg.STATUS), timeout, key):
                 raise P2PError(f"no answer from {addr} within {timeout:g} s: is a p2pw seeder or peer running "
                                f"there (with --key if the fleet is keyed)?")
             try:
@@ -394,18 +385,22 @@ def _handshake(ctx, addr: str, hello: dict, model_id: str | None, timeout: float
     raise P2PError(f"too many redirects joining through {addr}")
 
 
-def _hello(sock, addr: str, hello: dict, timeout: float, key):
-    """Send HELLO on ``sock`` to ``addr`` and return the answer: WELCOME or REDIRECT, else P2PError."""
+def _send_and_wait(sock, addr: str, frame: bytes, timeout: float, key) -> bool:
+    """Connect ``sock`` to ``addr``, send ``frame``, wait for an answer; P2PError if the link is refused."""
     watch = keys.LinkWatch(sock, addr, key)
     sock.connect(tcp(addr))
-    sock.send(protocol.control(Msg.HELLO, **hello))
+    sock.send(frame)
     try:
-        answered = watch.wait(timeout)
+        return watch.wait(timeout)
     except keys.LinkRefused as e:
         raise P2PError(str(e)) from None
     finally:
         watch.close()
-    if not answered:
+
+
+def _hello(sock, addr: str, hello: dict, timeout: float, key):
+    """Send HELLO on ``sock`` to ``addr`` and return the answer: WELCOME or REDIRECT, else P2PError."""
+    if not _send_and_wait(sock, addr, protocol.control(Msg.HELLO, **hello), timeout, key):
         raise P2PError(f"no answer from {addr} within {timeout:g} s: is a p2pw seeder or peer running there?")
     try:
         event = protocol.decode(sock.recv_multipart())
