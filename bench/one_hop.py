@@ -192,8 +192,7 @@ def run_p2pw(path: str, chunk: int, port: int, out_dir: str | None, extra: list[
             condition_memory(os.path.getsize(path))  # after the seeder's scan, before the peer allocates
             argv = [sys.executable, "-m", "p2pweights", "join", "--parent", f"127.0.0.1:{port}", "--host",
                     "127.0.0.1", "--report", report, "-q", *extra]
-            if out_dir:
-                argv += ["--out", out_dir]
+            argv += ["--out", out_dir] if out_dir else ["--no-cache"]  # in memory: not the model cache
             peaks = Peaks()
             peaks.pids["seeder"] = seeder.pid
             joiner = subprocess.Popen(argv, stdout=subprocess.DEVNULL, cwd=ROOT)

@@ -10,20 +10,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import time
 import uuid
 
 import zmq
 
-from . import catalog, keys, protocol
+from . import catalog, hfcache, keys, protocol
 from .errors import P2PError
-from .cache import DiskCache
+from .cache import STATE_DIR, DiskCache, copy_paths, marker_matches
 from .chunker import build
+from .modelcache import CacheTooSmall, ModelCache, describe_failure
 from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
 from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
-from .store import SourceStore, Store, StoreClosed, blob_backing
+from .store import SourceStore, SpaceError, Store, StoreClosed, blob_backing
 from .formats import checkpoint_files, scan as scan_checkpoint
 from .source import BlobSource, storage_read_bytes
 from .topology import make as make_topology
@@ -35,8 +37,14 @@ DEFAULT_PORT = 7420
 DEFAULT_PLAN = "forest:2"  # measured best (README: broadcast results); the others stay for comparison
 MAX_REDIRECTS = 4
 MAX_STRIPES = 64  # parents a WELCOME may name (one link each)
+CHECKSUM_GIVE_UP = 32  # this many chunks failing verification with none verified in between: every source is bad
 
 
+def repeating(message: str, cause: str) -> P2PError:
+    """A P2PError for a cause that repeats (``modelcache.CAUSES``), which the model cache remembers."""
+    e = P2PError(message)
+    e.cause = cause
+    return e
 
 
 def parse_addr(addr: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
@@ -68,8 +76,17 @@ class Seeder:
                  chunk_size: int = DEFAULT_CHUNK_SIZE, topology: str = DEFAULT_PLAN, hash: str = "xxh3_64",
                  advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
                  max_peers: int = 10_000, manifest: str | None = None, exclude=(),
-                 s3_concurrency: int = 16, s3_range_size: int = 8 << 20):
+                 s3_concurrency: int = 16, s3_range_size: int = 8 << 20, cache: ModelCache | None = None):
         self.path = os.fspath(path)
+        origin = etags = None
+        if not os.path.exists(self.path) and hfcache.parse_repo_ref(self.path):  # ORG/NAME[@REVISION]
+            self.path, origin = hfcache.resolve(self.path)
+        path = self.path
+        # a hub cache snapshot: record its repo, commit and etags
+        snapshot = None if self.path.startswith("s3://") else hfcache.snapshot_of(path)
+        if snapshot is not None:
+            origin = dict(snapshot[0], **(origin or {}))
+            etags = snapshot[1]
         self.exclude = tuple(exclude)
         # entries not served (SKIPPED_DIRS, ``exclude``); an object store's listing skips them silently
         self.skipped = [] if self.path.startswith("s3://") else scan_checkpoint(path, self.exclude).skipped
@@ -86,7 +103,11 @@ class Seeder:
         else:
             known = (self._published(path, manifest, self.exclude) if manifest
                      else catalog.lookup(path, chunk_size, hash, self.exclude))
-            scan = lambda *a, **kw: build(path, *a, exclude=self.exclude, **kw)  # noqa: E731
+            if known is not None and not manifest and (known.origin != origin or [
+                    f.get("etag") for f in known.files] != [(etags or {}).get(f["name"]) for f in known.files]):
+                known = None  # filed before under another revision's name: hash again (the files are the same)
+            scan = lambda *a, **kw: build(path, *a, exclude=self.exclude, origin=origin, etags=etags,  # noqa: E731
+                                          **kw)
             open_source = lambda files: BlobSource(path, files)  # noqa: E731
         if known is not None:  # hashed before (a restart, a published manifest): serve now, read as peers ask
             self.manifest, self.scanned = known, 0
@@ -105,6 +126,9 @@ class Seeder:
         self.io_at_serve = storage_read_bytes()  # from here on, storage reads are pages sending read again
         if topology.strip().lower().startswith("auto"):  # now the chunk count is known: choose with it
             self.topology = make_topology(topology, chunks=self.manifest.n_chunks)
+        # serving a copy the model cache keeps: hold it, so it is not evicted while seeded
+        cache = cache if cache is not None else ModelCache()
+        self.lock = None if self.s3 is not None else cache.hold_if_known(path)
         self.ctx = zmq.Context()
         self.gate = keys.gate(self.ctx, key)  # ZAP allow-list, before any keyed socket exists
         try:
@@ -112,6 +136,7 @@ class Seeder:
         except zmq.ZMQError as e:
             self.gate and self.gate.stop()
             self.ctx.term()
+            self.lock and self.lock.release()
             raise P2PError(f"cannot listen on {host}:{port}: {e}") from None
         self.tracker = Tracker(self.topology, advertise or "", max_peers=max_peers)
         self.node = Node(self.ctx, router, self.manifest, self.store, peer_id="seeder", tracker=self.tracker,
@@ -183,6 +208,8 @@ class Seeder:
             self.gate.stop()
         self.ctx.term()
         self.store.close()
+        if self.lock is not None:
+            self.lock.release()
 
     def __enter__(self):
         return self
@@ -209,6 +236,11 @@ class Download:
 
     loader = None  # a device.Loader when join(..., device=...) asked for one
     gate = None  # the keys.Gate (ZAP handler) of a keyed join
+    path: str | None = None  # the directory holding the copy (--out, the model cache's, a hub cache repo folder)
+    snapshot: str | None = None  # with hf_cache: the snapshot directory, once complete
+    model_cache: ModelCache | None = None
+    lock = None  # the modelcache.CopyLock on the copy, held until close
+    finishing = ()  # callables run once when the copy is complete (publish the HF snapshot, note the use)
 
     def __init__(self, node: Node, store: Store, cache: DiskCache | None, welcome: dict, started: float,
                  listen: str):
@@ -256,11 +288,37 @@ class Download:
             raise P2PError(str(e)) from None
 
     def wait(self, timeout: float | None = None) -> None:
-        """Return once the whole blob is verified (and, with ``out``, on disk under its final names)."""
+        """Return once the whole blob is verified (and, with ``out``, on disk under its final names).
+
+        Fails (``P2PError``, cause ``checksums``) when CHECKSUM_GIVE_UP chunks in a row failed verification:
+        every source sends bad bytes.  A repeating cause is remembered by the model cache, if any."""
+        try:
+            self._wait_complete(timeout)
+        except P2PError as e:
+            if getattr(e, "cause", None) and self.model_cache is not None:
+                self.model_cache.failed.remember(self.model_id, e.cause, str(e))
+            raise
+        for step in self.finishing:
+            step()
+        self.finishing = ()
+
+    def _wait_complete(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._wait(range(self.manifest.n_chunks), timeout):
-            raise TimeoutError(f"download not complete after {timeout} s: {self.progress['chunks']} of "
-                               f"{self.manifest.n_chunks} chunks verified")
+        chunks = range(self.manifest.n_chunks)
+        seen, bad_since = -1, 0
+        while not self._wait(chunks, 0.25):
+            st = self.node.stats
+            if self.store.count != seen:
+                seen, bad_since = self.store.count, st.bad_chunks
+            elif st.bad_chunks - bad_since >= CHECKSUM_GIVE_UP:
+                message = (f"every source failed its checksums: {st.bad_chunks - bad_since} chunks in a row failed "
+                           f"verification, none verified in between ({self.store.count} of "
+                           f"{self.manifest.n_chunks} verified)")
+                self.node.fail(message)
+                raise repeating(message, "checksums")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"download not complete after {timeout} s: {self.progress['chunks']} of "
+                                   f"{self.manifest.n_chunks} chunks verified")
         if self.cache is not None:
             while not self.cache.wait(0.1):
                 if self.cache.error or self.node.fatal:
@@ -313,6 +371,9 @@ class Download:
         if self.cache is not None:
             self.cache.close()
         self.store.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def __enter__(self):
         return self
@@ -460,7 +521,8 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
          connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
          key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT,
-         give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None) -> Download:
+         give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None,
+         cache: ModelCache | None = None, hf_cache: str | None = None, retry_now: bool = False) -> Download:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.
@@ -477,8 +539,17 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     gone); verified chunks stay on disk for a resume.  ``device`` ('cpu', 'cuda:N'): stream verified chunks
     into one buffer there, for ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.
     ``key`` (``keys.load(DIR)``): CURVE-encrypt and authenticate every link.
+
+    ``cache`` (a ``ModelCache``): without ``out``, the copy goes to the cache's own folder for the model (a
+    complete copy the cache knows of is used as it is), evicting others first under its size; with ``out``
+    the cache learns of that copy.  A model whose join failed for a repeating cause fails at once within
+    its backoff, unless ``retry_now``.  ``hf_cache`` (a hub cache directory): write the copy in the Hugging
+    Face cache layout there (blobs, then snapshot symlinks, then the ref, once complete).
     """
     started = time.monotonic()
+    where = _destination(out, cache, hf_cache)
+    if model_id is not None and cache is not None and not retry_now:
+        _refuse_remembered(cache, model_id, where)
     if device is not None:
         from .device import parse_device  # imports torch: only when a device is asked for
         parse_device(device)
@@ -500,30 +571,131 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     me = advertise or local_ip_towards(p_host)
     peer_id = peer_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id}
-    cache = None
     try:
-        link, tracker_addr, welcome, manifest = _handshake(ctx, parent, hello, model_id, connect_timeout, key)
-        # with out, the destination files are the store (mapped); else memory, or a temp file over the budget
-        cache = DiskCache(manifest, out, verify=verify) if out else None
-        store = Store(manifest, cache.filemap.buffer if cache is not None
-                      else blob_backing(manifest.total_size, memory_budget))
+        try:
+            link, tracker_addr, welcome, manifest = _handshake(ctx, parent, hello, model_id, connect_timeout, key)
+        except P2PError as e:
+            if "model id mismatch" in str(e) and model_id is not None and cache is not None:
+                cache.failed.remember(model_id, "refused", str(e))
+            raise
+        if cache is not None and not retry_now:
+            _refuse_remembered(cache, manifest.model_id, where)
+        disk, store, lock, target, layout = _open_copy(manifest, out, cache, hf_cache, verify, memory_budget,
+                                                       where)
     except Exception:
-        cache and cache.close()
         router.close(0)
         gate and gate.stop()
         ctx.destroy(0)
         raise
+    cache, model_cache = disk, cache
     node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window,
                 key=key, parent_timeout=parent_timeout, hello=hello, give_up_after=give_up_after)
     try:
-        loader = _wire(node, store, cache, link, tracker_addr, welcome, device, started, out)
+        loader = _wire(node, store, cache, link, tracker_addr, welcome, device, started, target)
     except Exception:
         node._close_sockets()
         gate and gate.stop()
         ctx.destroy(0)
+        lock and lock.release()
         raise
     node.start()
     dl = Download(node, store, cache, welcome, started, hello["listen"])
     dl.loader = loader
     dl.gate = gate
+    dl.path, dl.lock, dl.model_cache = target, lock, model_cache
+    dl.finishing = [lambda: _finished(dl, layout)]
     return dl
+
+
+def _destination(out, cache, hf_cache) -> str:
+    """Where a join writes, as failures tied to a place (not enough disk) remember it."""
+    if hf_cache is not None:
+        return "hf:" + os.path.abspath(hf_cache)
+    if out is not None:
+        return os.path.abspath(out)
+    return cache.models if cache is not None else "memory"
+
+
+def _refuse_remembered(cache: ModelCache, wanted: str, where: str) -> None:
+    """P2PError with the remembered reason if a join of ``wanted`` into ``where`` failed lately for a
+    repeating cause."""
+    rec = cache.failed.blocking(wanted, where)
+    if rec is not None:
+        raise P2PError(describe_failure(rec, cache.failures))
+
+
+def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where):
+    """The copy this join writes: ``(DiskCache or None, Store, CopyLock or None, directory, layout)``.
+
+    In the model cache's own folder, room is made first (eviction); the copy is locked for writing and
+    the cache told of it.  Nothing is left behind on failure; not enough disk is remembered."""
+    target, names, layout = _place(manifest, out, cache, hf_cache)
+    fresh = target is not None and not os.path.exists(target)
+    disk = lock = None
+    try:
+        if target is not None and cache is not None:
+            if layout == "files" and out is None:  # the cache's own folder: make room under its size first
+                for e in cache.make_room(sum(f["size"] for f in manifest.files), manifest.model_id):
+                    log.warning("evicted model %s (%s, %d bytes) from the cache to make room",
+                                e.model_id[:16], e.name or e.path, e.bytes)
+            lock = cache.hold(target, write=True, complete=lambda: marker_matches(
+                manifest, target, copy_paths(manifest, target, names)))
+            cache.remember(manifest, target, layout)
+        # with out, the destination files are the store (mapped); else memory, or a temp file over the budget
+        disk = DiskCache(manifest, target, verify=verify, names=names) if target is not None else None
+        store = Store(manifest, disk.filemap.buffer if disk is not None
+                      else blob_backing(manifest.total_size, memory_budget))
+    except Exception as e:
+        disk and disk.close()
+        lock and lock.release()
+        if disk is None and fresh and os.path.isdir(target) and os.listdir(target) == [STATE_DIR]:
+            shutil.rmtree(target, ignore_errors=True)  # made for this join, holds nothing
+        if cache is not None and isinstance(e, (SpaceError, CacheTooSmall)):
+            cache.failed.remember(manifest.model_id, "disk", str(e), where=where)
+        raise
+    return disk, store, lock, target, layout
+
+
+def _place(manifest, out, cache, hf_cache):
+    """(directory of the copy or None for memory, file names there or None, layout) for this join."""
+    if hf_cache is not None:
+        return hfcache.repo_dir(manifest, hf_cache), hfcache.blob_names(manifest), "hf"
+    if out is not None:
+        return os.path.abspath(out), None, "files"
+    if cache is None:
+        return None, None, "memory"
+    known = cache.find_complete(manifest.model_id)
+    return (known[1] if known else cache.copy_dir(manifest.model_id)), None, "files"
+
+
+def _finished(dl: Download, layout: str) -> None:
+    """The copy is complete: publish the HF snapshot (symlinks, then the ref); tell the cache it was used."""
+    if layout == "hf":
+        dl.snapshot = hfcache.publish(dl.manifest, dl.path)
+    if dl.lock is not None:
+        dl.lock.share()
+    if dl.model_cache is not None and dl.path is not None:
+        fetched = dl.node.stats.chunks_received > 0
+        dl.model_cache.used(dl.model_id, fetch_seconds=dl.seconds if fetched else None)
+        dl.model_cache.failed.clear(dl.model_id)
+
+
+def local_copy(model_id: str, cache: ModelCache, out: str | None = None, hf_cache: str | None = None):
+    """The directory of a complete copy of ``model_id`` (an id or a prefix) that the cache knows, for a join
+    that need not ask anyone: in ``out``, in the hub cache ``hf_cache`` (its snapshot directory, symlinks and
+    ref written again if missing), or anywhere, and its manifest; None if there is none.  Costs the marker
+    check."""
+    try:
+        wanted = check_model_id(model_id)
+    except ManifestError as e:
+        raise P2PError(str(e)) from None
+    if hf_cache is not None:
+        found = cache.find_complete(wanted, hf_cache, "hf")
+    else:
+        found = cache.find_complete(wanted, out, "files")
+    if found is None:
+        return None
+    manifest, path, layout = found
+    cache.used(manifest.model_id)
+    cache.failed.clear(manifest.model_id)
+    return (hfcache.publish(manifest, path) if layout == "hf" else path), manifest

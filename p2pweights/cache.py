@@ -84,17 +84,52 @@ def read_marker(out: str) -> dict | None:
         return None
 
 
+def copy_paths(manifest, out: str, names: list[str] | None = None) -> list[str]:
+    """Absolute final path of each file of ``manifest`` in a copy under ``out`` (its name, or ``names[i]``)."""
+    out = os.path.abspath(out)
+    paths = []
+    for i, f in enumerate(manifest.files):
+        name = names[i] if names is not None else f["name"]
+        path = os.path.normpath(os.path.join(out, name))
+        if not path.startswith(out + os.sep):
+            raise CacheError(f"file name {name!r} in the manifest escapes the output directory")
+        if os.path.relpath(path, out).split(os.sep)[0] == STATE_DIR:
+            raise CacheError(f"file name {name!r} in the manifest is inside {STATE_DIR}/, which p2pw keeps for itself")
+        paths.append(path)
+    return paths
+
+
+def marker_matches(manifest, out: str, paths: list[str] | None = None) -> bool:
+    """Whether ``out`` holds a complete copy of ``manifest``: its marker names the model, and every file has the
+    size and mtime the marker recorded (a stat per file; no byte is read)."""
+    doc = read_marker(out)
+    if not doc or doc.get("model_id") != manifest.model_id:
+        return False
+    recorded = {f.get("name"): f for f in doc.get("files", []) if isinstance(f, dict)}
+    for f, path in zip(manifest.files, paths if paths is not None else copy_paths(manifest, out)):
+        r = recorded.get(f["name"])
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        if r is None or st.st_size != f["size"] or r.get("size") != f["size"] or r.get("mtime_ns") != st.st_mtime_ns:
+            return False
+    return True
+
+
 class DiskCache:
     """The files of ``manifest`` under ``out`` as one mapped blob (``filemap``), finalised file by file."""
 
-    def __init__(self, manifest, out: str, verify: str = "marker", on_error=None, write_back: bool | None = None):
+    def __init__(self, manifest, out: str, verify: str = "marker", on_error=None, write_back: bool | None = None,
+                 names: list[str] | None = None):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
         self.manifest = manifest
         self.out = os.path.abspath(out)
         self.on_error = on_error
         self.error: str | None = None
-        self.paths = [self._path(f["name"]) for f in manifest.files]  # final names
+        # final names: each file's own name, or ``names`` (a Hugging Face cache's blobs/<etag>, see hfcache)
+        self.paths = copy_paths(manifest, self.out, names)
         self.final = [False] * len(manifest.files)  # file i is under its final name
         self.fds: dict[int, int] = {}  # open while file i is not final
         self.finished = threading.Event()
@@ -127,30 +162,10 @@ class DiskCache:
             if n == 0:  # an empty file: complete already
                 self.queue.put(("file", i))
 
-    def _path(self, name: str) -> str:
-        path = os.path.normpath(os.path.join(self.out, name))
-        if not path.startswith(self.out + os.sep):
-            raise CacheError(f"file name {name!r} in the manifest escapes the output directory")
-        if os.path.relpath(path, self.out).split(os.sep)[0] == STATE_DIR:
-            raise CacheError(f"file name {name!r} in the manifest is inside {STATE_DIR}/, which p2pw keeps for itself")
-        return path
-
     # ----- start: the marker, free space, preallocation, the mapping ---------
 
     def _marker_matches(self) -> bool:
-        doc = read_marker(self.out)
-        if not doc or doc.get("model_id") != self.manifest.model_id:
-            return False
-        recorded = {f.get("name"): f for f in doc.get("files", []) if isinstance(f, dict)}
-        for f, path in zip(self.manifest.files, self.paths):
-            r = recorded.get(f["name"])
-            try:
-                st = os.stat(path)
-            except OSError:
-                return False
-            if r is None or st.st_size != f["size"] or r.get("size") != f["size"] or r.get("mtime_ns") != st.st_mtime_ns:
-                return False
-        return True
+        return marker_matches(self.manifest, self.out, self.paths)
 
     def _preallocate(self) -> None:
         """Check the free space, then create (or reopen) every file at its full size, blocks allocated."""
@@ -224,7 +239,8 @@ class DiskCache:
         ok = set(found)
         for i, path in enumerate(self.paths):
             if self.final[i] and not all(c in ok for c in self.chunk_files_of(i)):
-                os.replace(path, path + PARTIAL)
+                if os.path.exists(path):
+                    os.replace(path, path + PARTIAL)
                 self.final[i] = False
         return found
 
@@ -309,7 +325,8 @@ class DiskCache:
             finally:
                 os.close(fd)
         if not self.final[i]:
-            os.replace(self.paths[i] + PARTIAL, self.paths[i])
+            if os.path.exists(self.paths[i] + PARTIAL) or not os.path.exists(self.paths[i]):
+                os.replace(self.paths[i] + PARTIAL, self.paths[i])  # (an empty file may share its path: done once)
             self.final[i] = True
             fsync_dir(os.path.dirname(self.paths[i]))
 

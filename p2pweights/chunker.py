@@ -12,17 +12,21 @@ from .source import BlobSource
 
 
 def build(path, chunk_size: int = DEFAULT_CHUNK_SIZE, hash: str = "xxh3_64", into=None, on_chunk=None,
-          exclude=()):
+          exclude=(), origin: dict | None = None, etags: dict | None = None):
     """Read checkpoint ``path`` once: (Manifest, bytes read from storage, the ``into`` buffer or None).
 
     Each chunk is read from storage exactly once; when ``into`` is given it is
     called with the blob's size and returns a writable buffer where the bytes
     land, so a seeder keeps what it hashed.  ``on_chunk(index)`` is called
     after each chunk is hashed.  ``exclude``: globs of entries left out (see ``formats.scan``).
+    ``origin`` and ``etags`` (file name -> etag) describe a Hugging Face snapshot (``hfcache.snapshot_of``).
     """
     if chunk_size <= 0 or chunk_size % formats.ALIGN:
         raise ManifestError(f"chunk size must be a positive multiple of {formats.ALIGN}, got {chunk_size}")
     files, tensors, total = formats.layout(path, exclude)
+    for f in files:
+        if etags and f["name"] in etags:
+            f["etag"] = etags[f["name"]]
     digest = chunk_hasher(hash)
     source = BlobSource(path, files)
     chunks = []
@@ -38,5 +42,6 @@ def build(path, chunk_size: int = DEFAULT_CHUNK_SIZE, hash: str = "xxh3_64", int
                 on_chunk(index)
     finally:
         source.close()
-    m = Manifest(total_size=total, chunk_size=chunk_size, chunks=chunks, files=files, tensors=tensors, hash=hash)
+    m = Manifest(total_size=total, chunk_size=chunk_size, chunks=chunks, files=files, tensors=tensors, hash=hash,
+                 origin=origin)
     return m, source.bytes_read, buffer

@@ -1,4 +1,4 @@
-"""CLI: ``p2pw pack | keygen | seed | join | status | manifest | verify | demo | simulate``.
+"""CLI: ``p2pw pack | keygen | seed | join | cache | status | manifest | verify | demo | simulate``.
 
 Thin: every command is a call into the library plus printing.  Errors a user
 can cause end as one ``p2pw: error: ...`` line and exit status 1, never a
@@ -15,6 +15,8 @@ import signal
 import sys
 import threading
 import time
+
+from .errors import UserError
 
 log = logging.getLogger("p2pw")
 
@@ -110,6 +112,10 @@ def cmd_seed(args) -> int:
              s3_range_size=args.s3_range_size)
     bind(http, s)
     m = s.manifest
+    if m.origin:
+        o = m.origin
+        say("origin", f"p2pw: {o['repo']}" + (f"@{o['revision']}" if o.get("revision") else "") +
+            f" is commit {o['commit']}, snapshot {s.path}", origin=o, snapshot=s.path)
     say("serving", f"p2pw: serving {args.path}: {human(m.total_size)} in {m.n_chunks} chunks of "
         f"{human(m.chunk_size)}, {len(m.files)} files, {len(m.tensors)} tensors " + (
             "(manifest known: reading chunks from storage as peers ask)" if s.source is not None
@@ -182,16 +188,60 @@ def cmd_keygen(args) -> int:
     return 0
 
 
+def tell_path(path: str) -> None:
+    """The copy's directory as the last line on stdout, for scripts (with --log-format json, an event)."""
+    if LOG["format"] == "json":
+        say("path", f"p2pw: the copy is in {path}", path=path)
+    else:
+        print(path, flush=True)
+
+
+def model_cache(args, needed: bool = True):
+    """The node's model cache; where its folder cannot be written, None for a join that writes elsewhere
+    (--out, --hf-cache: it just is not remembered), else one error line."""
+    from .modelcache import ModelCache
+
+    cache = ModelCache(size=args.cache_size)
+    try:
+        os.makedirs(cache.root, exist_ok=True)
+        writable = os.access(cache.root, os.W_OK)
+    except OSError:
+        writable = False
+    if writable:
+        return cache
+    if needed:
+        raise UserError(f"cannot write the model cache {cache.root}: set P2PW_CACHE_DIR, or give --out DIR "
+                        "(or --no-cache to keep the copy in memory)")
+    log.warning("cannot write the model cache %s: this copy is not remembered there", cache.root)
+    return None
+
+
 def cmd_join(args) -> int:
-    from .api import join
+    from .api import join, local_copy
+    from .hfcache import hub_dir
     from .ops import Progress
 
+    if args.out and args.hf_cache is not None:
+        raise UserError("give --out DIR or --hf-cache [DIR], not both")
+    hf = (args.hf_cache or hub_dir()) if args.hf_cache is not None else None
+    cache = None if args.no_cache else model_cache(args, needed=not args.out and hf is None)
+    if cache is not None and args.model_id and not args.stay and not args.device and args.verify == "marker":
+        t0 = time.monotonic()
+        found = local_copy(args.model_id, cache, out=args.out, hf_cache=hf)
+        if found is not None:  # complete here already: nobody needs asking
+            path, m = found
+            say("local", f"p2pw: model {m.model_id[:16]} is complete in {path} (its marker matches): fetched "
+                f"nothing in {time.monotonic() - t0:.3f} s", model_id=m.model_id, path=path)
+            tell_path(path)
+            write_json(args.report, {"model_id": m.model_id, "path": path, "bytes": m.total_size, "received": 0,
+                                     "resumed": m.n_chunks, "local": True})
+            return 0
     http = start_ops(args, starting="connecting")
     dl = join(args.parent, out=args.out, port=args.port, host=args.host, advertise=args.advertise,
               model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device,
               parent_timeout=args.parent_timeout, give_up_after=args.give_up_after, verify=args.verify,
-              memory_budget=args.memory_budget,
-              key=load_key(args.key))
+              memory_budget=args.memory_budget, key=load_key(args.key), cache=cache, hf_cache=hf,
+              retry_now=args.retry_now)
     bind(http, dl)
     bar = None if args.quiet else Progress(dl, every=args.progress_every)
     try:
@@ -205,6 +255,11 @@ def cmd_join(args) -> int:
     say("done", f"p2pw: done {human(p['total'])} in {secs:.2f} s ({p['total'] / secs / 1e9:.3f} GB/s), "
         f"{p['n_chunks']} chunks, {st.refetched} re-fetched; rank {dl.rank} under {parents}",
         bytes=p["total"], seconds=round(secs, 3), refetched=st.refetched, received_bytes=st.bytes_received)
+    if dl.snapshot:
+        say("hf_cache", f"p2pw: in the Hugging Face cache {hf}: {dl.manifest.origin['repo']} at {dl.snapshot} "
+            "(from_pretrained finds it with HF_HUB_OFFLINE=1)", snapshot=dl.snapshot)
+    if dl.path:
+        tell_path(dl.snapshot or dl.path)
     if args.device:
         from .device import format_report
 
@@ -216,6 +271,7 @@ def cmd_join(args) -> int:
                              "bytes_sent": st.bytes_sent, "model_id": dl.model_id, "listen": dl.listen,
                              "resumed": st.resumed, "received": st.chunks_received, "stalled": st.stalled,
                              "reparented": st.reparented, "switches": st.switches, "duplicates": st.duplicates,
+                             "path": dl.snapshot or dl.path,
                              # wall clock (epoch s) of join() and of the last verified chunk, for benchmarks
                              # that compare peers in separate processes against one common start
                              "started_at": wall + dl.started,
@@ -256,6 +312,45 @@ def cmd_status(args) -> int:
               .rstrip())
     if doc.get("count", len(peers)) > len(peers):
         print(f"p2pw: ... and {doc['count'] - len(peers)} more (the fastest) not listed")
+    return 0
+
+
+def cmd_cache(args) -> int:
+    cache = model_cache(args)
+    if args.action == "ls":
+        entries = cache.entries()
+        print(f"p2pw: model cache {cache.root}: {len(entries)} cop{'y' if len(entries) == 1 else 'ies'}, "
+              f"{human(sum(e.bytes for e in entries if e.owned))} owned" +
+              (f" of {human(cache.size)} (--cache-size)" if cache.size is not None else ", no size limit"))
+        if entries:
+            print(f"{'model':<17} {'size':>10} {'uses':>4} {'last used':>19} {'fetch s':>8} {'score':>9}  state  path")
+        for e in sorted(entries, key=lambda e: -cache.eviction.score(e)):
+            last = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(max(e.uses))) if e.uses else "-"
+            state = ("in use" if e.in_use else "ok" if e.complete else "partial") + (
+                "" if e.owned else ", --hf-cache" if e.layout == "hf" else ", --out")
+            fetch = f"{e.fetch_seconds:.2f}" if e.fetch_seconds is not None else "-"
+            print(f"{e.model_id[:16]:<17} {human(e.bytes):>10} {len(e.uses):>4} {last:>19} {fetch:>8} "
+                  f"{cache.eviction.score(e):9.3g}  {state}  {e.path}" + (f"  ({e.name})" if e.name else ""))
+        for key, rec in cache.failed.records():
+            if cache.failures.blocks(rec):
+                until = time.strftime("%H:%M:%S", time.localtime(cache.failures.until(rec)))
+                print(f"p2pw: not retried until {until}: "
+                      f"{key[:16]}: {rec['reason']}")
+    elif args.action == "rm":
+        if not args.model:
+            raise UserError("p2pw cache rm needs the MODEL (an id, a prefix of at least 4 hex digits, or ORG/NAME)")
+        for path in cache.remove(args.model):
+            print(f"p2pw: removed {path}")
+    else:
+        r = cache.gc()
+        for path in r["forgotten"]:
+            print(f"p2pw: forgot {path} (gone)")
+        for path in r["incomplete"]:
+            print(f"p2pw: removed incomplete {path}")
+        for e in r["evicted"]:
+            print(f"p2pw: evicted {e.model_id[:16]} ({human(e.bytes)}) {e.path}")
+        print(f"p2pw: gc done: {len(r['evicted'])} evicted, {len(r['incomplete'])} incomplete removed, "
+              f"{len(r['forgotten'])} forgotten, {r['failures']} expired failures dropped")
     return 0
 
 
@@ -338,7 +433,9 @@ def _seed_parser(sub) -> None:
     from .manifest import DEFAULT_CHUNK_SIZE, HASH_NAMES
 
     s = sub.add_parser("seed", help="serve a checkpoint (file or directory) and run the tracker")
-    s.add_argument("path", help="checkpoint file or directory, or s3://BUCKET/PREFIX (pip install 'p2pweights[s3]')")
+    s.add_argument("path", help="checkpoint file or directory, s3://BUCKET/PREFIX (pip install 'p2pweights[s3]'), "
+                                "or ORG/NAME[@REVISION]: a snapshot in the local Hugging Face cache (HF_HUB_CACHE, "
+                                "else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
     s.add_argument("--port", type=int, default=7420)
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--advertise", help="address peers should use to reach this host (default: the one they used)")
@@ -374,7 +471,19 @@ def _join_parser(sub) -> None:
     """``p2pw join``'s arguments."""
     j = sub.add_parser("join", help="attach this host to a broadcast and download the checkpoint")
     j.add_argument("--parent", required=True, help="HOST[:PORT] of the seeder or any peer")
-    j.add_argument("--out", help="write the checkpoint's files to this directory")
+    j.add_argument("--out", help="write the checkpoint's files to this directory (default: the model cache, "
+                                 "$P2PW_CACHE_DIR/models/MODEL_ID)")
+    j.add_argument("--hf-cache", nargs="?", const="", metavar="DIR",
+                   help="write the copy in the Hugging Face cache layout in DIR (default: HF_HUB_CACHE, else "
+                        "$HF_HOME/hub, else ~/.cache/huggingface/hub), for from_pretrained(\"org/name\")")
+    j.add_argument("--cache-size", type=size, metavar="BYTES",
+                   help="keep the model cache under this size, evicting unused models first "
+                        "(default: P2PW_CACHE_SIZE, else no limit)")
+    j.add_argument("--retry-now", action="store_true",
+                   help="try a model whose join failed lately for a cause that repeats, without waiting out its "
+                        "backoff")
+    j.add_argument("--no-cache", action="store_true",
+                   help="without --out, keep the copy in memory (or a temporary file) only; no model cache")
     j.add_argument("--port", type=int, default=0, help="port to serve children on (default: any free one)")
     j.add_argument("--host", default="0.0.0.0")
     j.add_argument("--advertise", help="address other peers should use to reach this host")
@@ -424,6 +533,13 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--key", metavar="DIR", help="fleet key directory, when the fleet's links are keyed")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     st.set_defaults(func=cmd_status)
+
+    c = sub.add_parser("cache", help="show and manage the model cache ($P2PW_CACHE_DIR)")
+    c.add_argument("action", choices=("ls", "rm", "gc"), help="ls: list; rm MODEL: remove one; gc: clean up, "
+                                                              "evict down to --cache-size")
+    c.add_argument("model", nargs="?", help="for rm: a model id (or a prefix of 4+ hex digits) or ORG/NAME")
+    c.add_argument("--cache-size", type=size, metavar="BYTES", help="the size to keep (default: P2PW_CACHE_SIZE)")
+    c.set_defaults(func=cmd_cache)
 
     pk = sub.add_parser("pack", help="rewrite safetensors into the loading-optimised layout (or back)")
     pk.add_argument("src", help="safetensors file or directory (with --unpack: a packed directory)")

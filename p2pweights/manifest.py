@@ -4,10 +4,12 @@ The manifest names the blob (total size, chunk size, one hash per chunk), how
 the blob maps back to files (file table) and to tensors (tensor index).  Its
 model id is the SHA-256 of its canonical JSON (sorted keys, no whitespace,
 ``model_id`` left out), so a joiner can pin exactly one checkpoint and a
-manifest that was altered in flight fails its own hash.  A file entry may
-also carry ``etag``: the object's ETag when the blob came from an object store
-(s3://), so a seeder can refuse an object that changed since; local files
-have none, so their model id does not change.
+manifest that was altered in flight fails its own hash.  Optional fields
+that a plain local checkpoint never has, so its model id does not change: a
+file entry's ``etag`` (the object's ETag when the blob came from an object
+store, s3://, so a seeder can refuse an object that changed since; its blob's
+name in a Hugging Face cache), and ``origin`` (``{repo, commit, revision}``:
+the Hugging Face snapshot it was seeded from).
 """
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ class Manifest:
     tensors: list[dict] = field(default_factory=list)
     hash: str = "xxh3_64"
     version: int = VERSION
+    origin: dict | None = None  # {repo, commit, revision} of a Hugging Face snapshot; None for plain files
 
     @property
     def n_chunks(self) -> int:
@@ -86,7 +89,7 @@ class Manifest:
         return range(lo // self.chunk_size, (hi - 1) // self.chunk_size + 1)
 
     def body(self) -> dict:
-        return {
+        doc = {
             "version": self.version,
             "total_size": self.total_size,
             "chunk_size": self.chunk_size,
@@ -95,6 +98,9 @@ class Manifest:
             "files": self.files,
             "tensors": self.tensors,
         }
+        if self.origin is not None:  # absent, not null, so plain checkpoints keep their model id
+            doc["origin"] = self.origin
+        return doc
 
     @property
     def model_id(self) -> str:
@@ -117,7 +123,11 @@ class Manifest:
                 tensors=list(doc.get("tensors", [])),
                 hash=str(doc.get("hash", "xxh3_64")),
                 version=int(doc["version"]),
+                origin=doc.get("origin"),
             )
+            if m.origin is not None and not (isinstance(m.origin, dict) and all(
+                    isinstance(m.origin.get(k, ""), str) for k in ("repo", "commit", "revision"))):
+                raise ValueError(f"origin {str(m.origin)[:100]} is not an object of strings")
         except (ValueError, KeyError, TypeError) as e:
             raise ManifestError(f"malformed manifest: {e}") from None
         if m.version != VERSION:

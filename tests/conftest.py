@@ -14,10 +14,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True, scope="session")
-def manifest_catalog(tmp_path_factory):
-    """Seeders started by the tests file their manifests in a throwaway catalog, not the user's."""
-    os.environ["P2PW_CACHE_DIR"] = str(tmp_path_factory.mktemp("p2pw-cache"))
+@pytest.fixture(autouse=True)
+def manifest_catalog(tmp_path_factory, monkeypatch):
+    """Each test's processes keep their manifest catalog and model cache (copies, remembered failures) in a
+    throwaway directory of their own, not the user's and not another test's."""
+    monkeypatch.setenv("P2PW_CACHE_DIR", str(tmp_path_factory.mktemp("p2pw-cache")))
 
 
 def p2pw_argv(*args) -> list[str]:
