@@ -539,12 +539,9 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     gone); verified chunks stay on disk for a resume.  ``device`` ('cpu', 'cuda:N'): stream verified chunks
     into one buffer there, for ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.
     ``key`` (``keys.load(DIR)``): CURVE-encrypt and authenticate every link.
-
-    ``cache`` (a ``ModelCache``): without ``out``, the copy goes to the cache's own folder for the model (a
-    complete copy the cache knows of is used as it is), evicting others first under its size; with ``out``
-    the cache learns of that copy.  A model whose join failed for a repeating cause fails at once within
-    its backoff, unless ``retry_now``.  ``hf_cache`` (a hub cache directory): write the copy in the Hugging
-    Face cache layout there (blobs, then snapshot symlinks, then the ref, once complete).
+    ``cache`` (``ModelCache``): without ``out``, the copy goes to (or is found complete in) the cache, which
+    evicts first under its size and remembers repeating failures (``retry_now`` ignores them).  ``hf_cache``
+    (a hub cache directory): the copy in the Hugging Face layout there (``hfcache``).
     """
     started = time.monotonic()
     where = _destination(out, cache, hf_cache)
@@ -572,14 +569,8 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     peer_id = peer_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id}
     try:
-        try:
-            link, tracker_addr, welcome, manifest = _handshake(ctx, parent, hello, model_id, connect_timeout, key)
-        except P2PError as e:
-            if "model id mismatch" in str(e) and model_id is not None and cache is not None:
-                cache.failed.remember(model_id, "refused", str(e))
-            raise
-        if cache is not None and not retry_now:
-            _refuse_remembered(cache, manifest.model_id, where)
+        link, tracker_addr, welcome, manifest = _handshake_remembered(ctx, parent, hello, model_id,
+                                                                      connect_timeout, key, cache, retry_now, where)
         disk, store, lock, target, layout = _open_copy(manifest, out, cache, hf_cache, verify, memory_budget,
                                                        where)
     except Exception:
@@ -605,6 +596,24 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     dl.path, dl.lock, dl.model_cache = target, lock, model_cache
     dl.finishing = [lambda: _finished(dl, layout)]
     return dl
+
+
+def _handshake_remembered(ctx, parent, hello, model_id, timeout, key, cache, retry_now, where):
+    """``_handshake``, with the model cache's failure memory: an id the seeder refuses is remembered, and a
+    model that failed lately (for a repeating cause) is refused here unless ``retry_now``."""
+    try:
+        link, tracker_addr, welcome, manifest = _handshake(ctx, parent, hello, model_id, timeout, key)
+    except P2PError as e:
+        if "model id mismatch" in str(e) and model_id is not None and cache is not None:
+            cache.failed.remember(model_id, "refused", str(e))
+        raise
+    if cache is not None and not retry_now:
+        try:
+            _refuse_remembered(cache, manifest.model_id, where)
+        except P2PError:
+            link.close(0)
+            raise
+    return link, tracker_addr, welcome, manifest
 
 
 def _destination(out, cache, hf_cache) -> str:
