@@ -37,7 +37,8 @@ DEFAULT_PORT = 7420
 DEFAULT_PLAN = "forest:2"  # measured best (README: broadcast results); the others stay for comparison
 MAX_REDIRECTS = 4
 MAX_STRIPES = 64  # parents a WELCOME may name (one link each)
-CHECKSUM_GIVE_UP = 32  # this many chunks failing verification with none verified in between: every source is bad
+CHECKSUM_GIVE_UP = 4  # chunks failing verification, none verified since, for CHECKSUM_STALL s: every source is bad
+CHECKSUM_STALL = 5.0
 
 
 def repeating(message: str, cause: str) -> P2PError:
@@ -290,8 +291,8 @@ class Download:
     def wait(self, timeout: float | None = None) -> None:
         """Return once the whole blob is verified (and, with ``out``, on disk under its final names).
 
-        Fails (``P2PError``, cause ``checksums``) when CHECKSUM_GIVE_UP chunks in a row failed verification:
-        every source sends bad bytes.  A repeating cause is remembered by the model cache, if any."""
+        Fails (``P2PError``, cause ``checksums``) when CHECKSUM_GIVE_UP chunks failed verification and none
+        verified since, for CHECKSUM_STALL s: every source sends bad bytes.  A repeating cause is remembered by the model cache, if any."""
         try:
             self._wait_complete(timeout)
         except P2PError as e:
@@ -305,12 +306,12 @@ class Download:
     def _wait_complete(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         chunks = range(self.manifest.n_chunks)
-        seen, bad_since = -1, 0
+        seen, bad_since, moved = self.store.count, 0, time.monotonic()
         while not self._wait(chunks, 0.25):
             st = self.node.stats
             if self.store.count != seen:
-                seen, bad_since = self.store.count, st.bad_chunks
-            elif st.bad_chunks - bad_since >= CHECKSUM_GIVE_UP:
+                seen, bad_since, moved = self.store.count, st.bad_chunks, time.monotonic()
+            elif st.bad_chunks - bad_since >= CHECKSUM_GIVE_UP and time.monotonic() - moved > CHECKSUM_STALL:
                 message = (f"every source failed its checksums: {st.bad_chunks - bad_since} chunks in a row failed "
                            f"verification, none verified in between ({self.store.count} of "
                            f"{self.manifest.n_chunks} verified)")
