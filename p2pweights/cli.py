@@ -10,7 +10,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -20,16 +19,15 @@ from .errors import UserError
 
 log = logging.getLogger("p2pw")
 
-UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
-         "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30}
-
-
 def size(text: str) -> int:
-    """'4MiB', '4M', '4194304' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 4MiB, 512K, 1048576")
-    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
+    """'4MiB', '4M', '4194304' -> bytes (an argparse type)."""
+    from .errors import UserError
+    from .modelcache import parse_size
+
+    try:
+        return parse_size(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def human(n: float) -> str:
