@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import zmq
 
 from . import keys, protocol
@@ -62,8 +61,7 @@ class Partners:
         ignored, never trusted."""
         n = self.node
         if stripes is not None and stripes != n.pull.stripes:
-            n.pull.stripes = stripes
-            n.pull.stripe_of = np.arange(n.manifest.n_chunks) % stripes
+            n.pull.set_stripes(stripes)
         plan, want = [None] * n.pull.stripes, {}
         for p in parents:
             if not self._entry_ok(p, stripe=True):

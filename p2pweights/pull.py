@@ -100,7 +100,7 @@ class PullScheduler:
         self.holders = np.zeros(n_chunks, np.int32)  # ready links holding each chunk
         self.links: dict[int, Link] = {}
         self.plan: list[int | None] = [None] * stripes
-        self.stripe_of = np.arange(n_chunks) % stripes
+        self.set_stripes(stripes)
         self.cancels: dict[int, list[int]] = {}  # rank -> chunks to CANCEL there (see take_cancels)
         self.dirty = True  # something changed since the last ``requests``: decide again
 
@@ -148,6 +148,13 @@ class PullScheduler:
         for i in back:
             self._unask(i, rank)
         return back
+
+    def set_stripes(self, stripes: int) -> None:
+        """Chunk i belongs to stripe i mod ``stripes`` (the plan's, from the WELCOME)."""
+        self.stripes = stripes
+        self.stripe_of = np.arange(self.n) % stripes
+        self.in_stripe = [self.stripe_of == s for s in range(stripes)]  # one mask per stripe, built once
+        self.plan = (list(self.plan) + [None] * stripes)[:stripes]
 
     def set_plan(self, plan: list[int | None]) -> None:
         """The planned source (partner rank) of each stripe.
@@ -237,8 +244,8 @@ class PullScheduler:
         ready = [lk for lk in self.links.values() if lk.ready and lk.free()]
         for lk in ready:  # 1. waiters first, from whoever holds them
             self._ask(lk, self._pick(lk, self.urgent & lk.holds, lk.free()), out)
-        lagging, orphaned = _help_mask(self)
         peers_hold = self._peers_hold()
+        lagging, orphaned = _help_mask(self, peers_hold)
         for lk in sorted(ready, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
             mine = orphaned & lk.holds if lk.rank != SEEDER else self._seeder_share(orphaned, peers_hold)
             mask = self._planned_mask(lk.rank)
@@ -313,7 +320,8 @@ class PullScheduler:
         stripes = [s for s, r in enumerate(self.plan) if r == rank]
         if not stripes:
             return None
-        return self._wanted() & np.isin(self.stripe_of, stripes)
+        mask = self._wanted()
+        return mask & np.logical_or.reduce([self.in_stripe[s] for s in stripes])
 
     def _typical_rate(self) -> float:
         rates = [lk.rate for lk in self.links.values() if lk.rate > 0]
@@ -367,15 +375,14 @@ class PullScheduler:
                 self.inflight[index] = False
 
 
-def _help_mask(sched: PullScheduler) -> tuple[np.ndarray, np.ndarray]:
+def _help_mask(sched: PullScheduler, peers_hold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Chunks other partners may be asked for (stripes whose planned source lags), and the
     subset whose planned source is gone (which the seeder may serve too)."""
     mask, orphaned = np.zeros(sched.n, bool), np.zeros(sched.n, bool)
     sched.movable[:] = False
-    peers_hold = sched._peers_hold()
     for s, rank in enumerate(sched.plan):
         src = sched.links.get(rank) if rank is not None else None
-        in_stripe = sched.stripe_of == s
+        in_stripe = sched.in_stripe[s]
         missing = ~sched.have & in_stripe
         if src is None:  # gone (given up, or never named): every holder shares the stripe
             lagging = True
