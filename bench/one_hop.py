@@ -57,12 +57,16 @@ def raw_sender(port: int, path: str, chunk: int) -> None:
 
 def raw_receiver(port: int, total: int, chunk: int, fresh: bool) -> None:
     import numpy as np
-    import zmq
-
     # fresh: the natural program, a new buffer that the receive loop faults in (as any receiver of
     # a new model must); touched: faulted in before timing, the ceiling of the hop alone
     buf = np.empty(total, dtype=np.uint8) if fresh else np.ones(total, dtype=np.uint8)
-    view = memoryview(buf)
+    _receive_timed(port, memoryview(buf), total, chunk)
+
+
+def _receive_timed(port: int, view, total: int, chunk: int) -> None:
+    """Pull ``total`` bytes into ``view`` in ``chunk`` frames; print the seconds of the transfer."""
+    import zmq
+
     ctx = zmq.Context()
     s = ctx.socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, 16)
@@ -74,14 +78,14 @@ def raw_receiver(port: int, total: int, chunk: int, fresh: bool) -> None:
         lo += s.recv_into(view[lo:lo + chunk])
     secs = (time.perf_counter() - t0) * total / (total - got)
     print(json.dumps({"seconds": secs}))
+    s.close(0)
+    ctx.term()
 
 
 def raw_file_receiver(port: int, total: int, chunk: int, directory: str, sparse: bool = False) -> None:
     """Receive the blob straight into a shared mapping of a preallocated file (what p2pw --out does), or of a
     sparse one (``sparse``: ftruncate only, blocks allocated as pages are first written)."""
     import mmap
-
-    import zmq
 
     path = os.path.join(directory, "raw-copy.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -91,17 +95,7 @@ def raw_file_receiver(port: int, total: int, chunk: int, directory: str, sparse:
         os.posix_fallocate(fd, 0, total)
     buf = mmap.mmap(fd, total, flags=mmap.MAP_SHARED)
     view = memoryview(buf)
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.PULL)
-    s.setsockopt(zmq.RCVHWM, 16)
-    s.connect(f"tcp://127.0.0.1:{port}")
-    got = s.recv_into(view[0:chunk])
-    t0 = time.perf_counter()
-    lo = got
-    while lo < total:
-        lo += s.recv_into(view[lo:lo + chunk])
-    secs = (time.perf_counter() - t0) * total / (total - got)
-    print(json.dumps({"seconds": secs}))
+    _receive_timed(port, view, total, chunk)
     view.release()
     buf.close()
     os.close(fd)
