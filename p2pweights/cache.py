@@ -29,6 +29,7 @@ import ctypes
 import json
 import os
 import queue
+import tempfile
 import threading
 import time
 
@@ -55,15 +56,33 @@ class CacheError(UserError, OSError):
 
 def write_atomically(path: str, doc: dict, durable: bool = True) -> None:
     """Write ``doc`` as JSON to ``path`` by rename (fsynced, directory too, when ``durable``)."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(doc, indent=1), durable)
+
+
+def write_text_atomically(path: str, text: str, durable: bool = False) -> None:
+    """Write ``text`` to ``path`` by rename from a temporary name of its own.
+
+    The temporary name is unique, so processes sharing a directory (joiners
+    sharing one model cache) never rename each other's half-written file.
+    """
+    d, base = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{base}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     if durable:
-        fsync_dir(os.path.dirname(path))
+        fsync_dir(d)
 
 
 def fsync_dir(path: str) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 
+from .cache import write_text_atomically
 from .formats import checkpoint_files
 from .manifest import Manifest, ManifestError
 
@@ -42,8 +43,6 @@ def remember(path, manifest: Manifest, exclude=()) -> None:
     try:
         os.makedirs(_dir(), exist_ok=True)
         final = os.path.join(_dir(), _key(path, manifest.chunk_size, manifest.hash, exclude) + ".json")
-        with open(final + ".tmp", "w") as f:
-            f.write(manifest.to_json())
-        os.replace(final + ".tmp", final)
+        write_text_atomically(final, manifest.to_json())
     except OSError:
         pass

@@ -80,10 +80,8 @@ def error(message: str) -> None:
 
 def write_json(path: str | None, doc: dict) -> None:
     if path:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, path)
+        from .cache import write_text_atomically
+        write_text_atomically(path, json.dumps(doc, indent=1))
 
 
 def serve_until_signalled(finished=lambda: False, every: float = 0.1) -> None:

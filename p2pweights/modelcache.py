@@ -29,7 +29,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from .cache import STATE_DIR, copy_paths, marker_matches, write_atomically
+from .cache import STATE_DIR, copy_paths, marker_matches, write_atomically, write_text_atomically
 from .errors import UserError
 from .manifest import Manifest, ManifestError
 
@@ -310,9 +310,7 @@ class ModelCache:
         os.makedirs(self.index, exist_ok=True)
         mp = self._manifest_path(manifest.model_id)
         if not os.path.exists(mp):
-            with open(mp + ".tmp", "w") as f:
-                f.write(manifest.to_json())
-            os.replace(mp + ".tmp", mp)
+            write_text_atomically(mp, manifest.to_json())
         path = os.path.abspath(path)
         owned = os.path.dirname(path) == self.models
 

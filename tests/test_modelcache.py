@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -328,3 +329,27 @@ def test_an_unwritable_cache_folder_only_matters_to_a_join_that_needs_it(procs, 
     assert same_tree(model, tmp_path / "copy") == []
     r = join(info["port"], "--model-id", info["model_id"], env=env)
     assert r.returncode == 1 and r.stderr.count("p2pw: error:") == 1 and "P2PW_CACHE_DIR" in r.stderr, r.stderr
+
+
+
+def test_processes_sharing_a_cache_never_rename_each_others_half_written_files(tmp_path):
+    """Processes writing one cache file at once (joiners sharing a cache) all succeed; the file is whole."""
+    target = tmp_path / "index" / "m.manifest.json"
+    target.parent.mkdir()
+    script = (
+        "import sys\n"
+        "from p2pweights.cache import write_text_atomically\n"
+        "for i in range(300):\n"
+        "    write_text_atomically(sys.argv[1], sys.argv[2] * 4096)\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(target), str(k)], cwd=ROOT)
+             for k in range(4)]
+    try:
+        assert [p.wait(timeout=60) for p in procs] == [0] * 4
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = target.read_text()
+    assert len(text) == 4096 and len(set(text)) == 1
+    assert os.listdir(target.parent) == ["m.manifest.json"]
