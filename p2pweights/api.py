@@ -653,8 +653,8 @@ def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where):
             cache.remember(manifest, target, layout)
         # with out, the destination files are the store (mapped); else memory, or a temp file over the budget
         disk = DiskCache(manifest, target, verify=verify, names=names) if target is not None else None
-        store = Store(manifest, disk.filemap.buffer if disk is not None
-                      else blob_backing(manifest.total_size, memory_budget))
+        store = (Store(manifest, disk.filemap.buffer, files=disk) if disk is not None
+                 else Store(manifest, blob_backing(manifest.total_size, memory_budget)))
     except Exception as e:
         disk and disk.close()
         lock and lock.release()

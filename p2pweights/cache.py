@@ -3,14 +3,18 @@
 Each file of the manifest's file table is preallocated under ``out`` as
 ``NAME.partial`` (free space is checked first: too little is one error and
 nothing is written) and mapped shared at its blob offset (``store.FileMap``),
-so the node receives chunks straight into the files' page cache, serves
-children from there, and the kernel writes the pages back.  Nothing copies
-the bytes a second time.  When every chunk covering a file is verified, a
+so children and readers are served from the files' page cache.  Each chunk
+is verified in its network buffer and only then written into its files
+(``pwrite``: see ``Store.write``), and the kernel writes the pages back.
+Nothing copies the bytes a second time, and no unverified byte reaches a
+file.  When every chunk covering a file is verified, a
 finisher thread fsyncs it and renames it to its final name (the blob layout
 puts small files first, so config and tokenizer are final within the first
-chunks).  For a blob larger than the memory budget it also starts writeback
-of verified chunks as they come (``sync_file_range``, 64 MiB at a time), so
-dirty pages never pile up, in a small memory cgroup or on a small host.
+chunks).  It also starts writeback of verified chunks as they come
+(``sync_file_range``, 16 MiB at a time), so dirty pages never pile up (in a
+small memory cgroup, on a small host) and the disk writes during the
+transfer: measured on the 8-host bed (one shared disk), the last exit came
+0.9-1.7 s after the last chunk instead of 2.0-2.4 s.
 After the last file, ``out/.p2pw/complete.json`` (model id, files with
 sizes and mtimes, bytes, time) is written atomically.  A file under its final
 name is always complete.
@@ -35,7 +39,7 @@ import time
 
 from .errors import UserError
 from .manifest import chunk_hasher
-from .store import FileMap, check_space, memory_budget
+from .store import FileMap, check_space
 
 PARTIAL = ".partial"
 STATE_DIR = ".p2pw"  # what p2pw keeps about a copy; a seeder never serves it
@@ -43,7 +47,7 @@ MARKER = "complete.json"
 PROGRESS = "progress.json"
 VERIFY_MODES = ("marker", "full")
 PROGRESS_EVERY = 0.25  # seconds between progress.json updates
-WRITE_BACK_EVERY = 64 << 20  # a blob over the memory budget starts writeback of every this many verified bytes
+WRITE_BACK_EVERY = 16 << 20  # writeback of verified chunks is started every this many bytes
 SYNC_FILE_RANGE_WRITE = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -139,7 +143,7 @@ def marker_matches(manifest, out: str, paths: list[str] | None = None) -> bool:
 class DiskCache:
     """The files of ``manifest`` under ``out`` as one mapped blob (``filemap``), finalised file by file."""
 
-    def __init__(self, manifest, out: str, verify: str = "marker", on_error=None, write_back: bool | None = None,
+    def __init__(self, manifest, out: str, verify: str = "marker", on_error=None, write_back: bool = True,
                  names: list[str] | None = None):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
@@ -156,9 +160,9 @@ class DiskCache:
         self.resuming = False
         self.complete = False  # the marker matched: every chunk is on disk and final
         self.chunks_done = self.bytes_done = 0
-        # a blob that fits the memory budget is left to the kernel's writeback (and the fsync as each file
-        # completes); a larger one starts writeback as it goes, so its dirty pages never fill memory
-        self.write_back = manifest.total_size > memory_budget() if write_back is None else write_back
+        # writeback starts as chunks verify, so dirty pages never fill memory and the disk works during the
+        # transfer, not after it: each file's fsync, and the join's exit, then wait for little
+        self.write_back = write_back
         self.unflushed: list[int] = []
         self.unflushed_bytes = 0
         self.left_total = manifest.n_chunks
@@ -268,6 +272,20 @@ class DiskCache:
         return self.manifest.chunks_covering(f["offset"], f["offset"] + f["size"])
 
     # ----- while downloading (put is called on the node's loop) -------------
+
+    def write_chunk(self, index: int, data) -> None:
+        """Write chunk ``index``'s verified bytes ``data`` into the files it covers (``Store.write``)."""
+        lo, hi = self.manifest.chunk_span(index)
+        for i in self.chunk_files[index]:
+            fd = self.fds.get(i)
+            if fd is None:  # final already: it holds every byte of its chunks
+                continue
+            f = self.manifest.files[i]
+            a, b = max(lo, f["offset"]), min(hi, f["offset"] + f["size"])
+            view, at = data[a - lo:b - lo], a - f["offset"]
+            while len(view):
+                n = os.pwrite(fd, view, at)
+                view, at = view[n:], at + n
 
     def put(self, index: int, data: memoryview) -> None:
         """Chunk ``index`` is verified (its bytes are already in the mapped files): count it, finish files."""

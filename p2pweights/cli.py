@@ -586,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import UserError
 
     argv = sys.argv[1:] if argv is None else argv
+    # no command does linear algebra; numpy's OpenBLAS pool would otherwise start a thread per core that
+    # spins at startup (measured: about 5 % of a join's CPU)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     ap = parser()
     args, rest = ap.parse_known_args(argv)
     if args.command != "simulate" and rest:

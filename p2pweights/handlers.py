@@ -128,7 +128,7 @@ class Handlers:
             n.partners.open(link.rank, link.addr)
 
     def on_chunk(self, link, index: int) -> None:
-        """A chunk arrived: verify it in place, then publish it, or drop it and ask again."""
+        """A chunk arrived: verify it, then publish it, or drop it and ask again."""
         n = self.node
         sock = link.socket
         if index >= n.manifest.n_chunks or not n.pull.expects(link.rank, index):
@@ -140,14 +140,26 @@ class Handlers:
                 log.warning("partner rank %d sent chunk %d, which we did not ask it for: dropped", link.rank, index)
             return
         link.last_chunk = n.clock()
-        view = n.store.chunk(index)
-        got = sock.recv_into(view)
+        if n.store.in_place:  # memory: received straight into the blob, verified there
+            data = n.store.chunk(index)
+            got = sock.recv_into(data)
+            size = len(data)
+        else:  # files: verified in the network buffer, then written (Store.write says why)
+            data = sock.recv(copy=False).buffer
+            lo, hi = n.manifest.chunk_span(index)
+            got, size = len(data), hi - lo
         _discard_rest(sock)
         n.stats.chunks_received += 1
         n.stats.bytes_received += got
         if n.faults is not None:
             n.faults.received()
-        ok = got == len(view) and n.digest(view) == n.manifest.chunks[index]
+        ok = got == size and n.digest(data) == n.manifest.chunks[index]
+        if ok and not n.store.in_place:
+            try:
+                n.store.write(index, data)
+            except OSError as e:
+                n._fail(f"writing chunk {index} into the local copy failed: {e.strerror or e}")
+                return
         planned = n.pull.plan[index % n.pull.stripes]
         n.pull.arrived(link.rank, index, ok)
         if ok:

@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .errors import UserError
 
@@ -166,6 +165,8 @@ class OpsServer:
     """``/healthz``, ``/readyz`` and ``/metrics`` on ``addr``, served from a daemon thread."""
 
     def __init__(self, addr: str):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # only a node serving --http
+
         host, port = parse_http_addr(addr)
         self.readiness = Readiness()
         self.registry = metrics_registry(self.readiness)

@@ -32,6 +32,7 @@ elsewhere (``stalled``); a dropped link gives its requests back at once.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -98,6 +99,7 @@ class PullScheduler:
         self.movable = np.zeros(n_chunks, bool)  # in flight, parked at a lagging source that lacks it
         self.orphan_at = np.full(n_chunks, np.inf)  # since when no partner holds an orphaned chunk
         self.holders = np.zeros(n_chunks, np.int32)  # ready links holding each chunk
+        self._avail = np.zeros(n_chunks, bool)  # during ``requests``: what a pick may still take
         self.links: dict[int, Link] = {}
         self.plan: list[int | None] = [None] * stripes
         self.set_stripes(stripes)
@@ -242,15 +244,23 @@ class PullScheduler:
         self.dirty = False
         out: dict[int, list[int]] = {}
         ready = [lk for lk in self.links.values() if lk.ready and lk.free()]
-        for lk in ready:  # 1. waiters first, from whoever holds them
-            self._ask(lk, self._pick(lk, self.urgent & lk.holds, lk.free()), out)
+        self._avail = ~self.have & (~self.inflight | self.movable)  # what a pick may take (``_ask`` clears)
+        if self.urgent.any():  # 1. waiters first, from whoever holds them
+            for lk in ready:
+                self._ask(lk, self._pick(lk, self.urgent & lk.holds, lk.free()), out)
         peers_hold = self._peers_hold()
         lagging, orphaned = _help_mask(self, peers_hold)
+        self._avail = ~self.have & (~self.inflight | self.movable)
+        any_orphaned = bool(orphaned.any())
         for lk in sorted(ready, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
-            mine = orphaned & lk.holds if lk.rank != SEEDER else self._seeder_share(orphaned, peers_hold)
+            if lk.rank == SEEDER:
+                mine = self._seeder_share(orphaned, peers_hold)
+            else:
+                mine = orphaned & lk.holds if any_orphaned else None
             mask = self._planned_mask(lk.rank)
-            mask = mine if mask is None else mask | mine
-            self._ask(lk, self._pick(lk, mask, lk.free(), park=PARK_AHEAD), out)
+            mask = mine if mask is None else mask if mine is None else mask | mine
+            if mask is not None:
+                self._ask(lk, self._pick(lk, mask, lk.free(), park=PARK_AHEAD), out)
         lagging &= ~orphaned
         if lagging.any():  # 3. a stripe whose planned source lags: partners help, a few chunks each
             budget = HELP_WINDOW * max(1, len(set(self.plan))) - sum(
@@ -275,8 +285,13 @@ class PullScheduler:
         out = []
         if (self.inflight.any() and not self._wanted().any()) or np.isfinite(self.orphan_at).any():
             self.dirty = True  # the endgame and the seeder's patience depend on time: look again
+        typical = None
         for lk in self.links.values():
-            rate = lk.rate or self._typical_rate()
+            if not lk.outstanding:
+                continue
+            if not lk.rate and typical is None:
+                typical = self._typical_rate()
+            rate = lk.rate or typical
             bound = STALL_MAX if rate <= 0 else \
                 min(STALL_MAX, max(STALL_MIN, STALL_WINDOWS * lk.window * self.chunk_size / rate))
             if not lk.outstanding or now - lk.last_arrival <= bound:
@@ -317,24 +332,30 @@ class PullScheduler:
         return ~self.have & ~self.inflight
 
     def _planned_mask(self, rank: int) -> np.ndarray | None:
+        """The chunks of ``rank``'s planned stripes not yet asked of anyone (None: it plans none)."""
         stripes = [s for s, r in enumerate(self.plan) if r == rank]
         if not stripes:
             return None
-        mask = self._wanted()
-        return mask & np.logical_or.reduce([self.in_stripe[s] for s in stripes])
+        mask = self.in_stripe[stripes[0]]
+        for s in stripes[1:]:
+            mask = mask | self.in_stripe[s]
+        return mask & ~self.inflight
 
     def _typical_rate(self) -> float:
         rates = [lk.rate for lk in self.links.values() if lk.rate > 0]
-        return float(np.median(rates)) if rates else 0.0
+        return statistics.median(rates) if rates else 0.0
 
     def _pick(self, lk: Link, mask: np.ndarray, k: int, rarest: bool = False, park: int = 0) -> list[int]:
         """Up to ``k`` chunks of ``mask`` to ask of ``lk``: lowest first (or rarest among the lowest);
         ``park``: how many it may hold parked (asked before it has them) at once."""
         if k <= 0:
             return []
-        mask = mask & ~self.have & (~self.inflight | self.movable)
-        mask[list(lk.outstanding)] = False
-        idx = np.flatnonzero(mask)
+        mask = mask & self._avail
+        if lk.outstanding:
+            mask[list(lk.outstanding)] = False
+        idx = mask.nonzero()[0]
+        if not idx.size:
+            return []
         if park:
             held = lk.holds[idx]
             parked = sum(1 for i in lk.outstanding if not lk.holds[i])
@@ -353,6 +374,7 @@ class PullScheduler:
                 self.links[other].outstanding.pop(i, None)
                 self._withdraw(self.links[other], [i])
             self.movable[i] = False
+            self._avail[i] = False
             self.asked[i] = {lk.rank}
             self.inflight[i] = True
             lk.outstanding[i] = now
@@ -393,7 +415,7 @@ def _help_mask(sched: PullScheduler, peers_hold: np.ndarray) -> tuple[np.ndarray
             others = (peers_hold - (src.holds if rank != SEEDER else 0)) > 0
             lacks = int((missing & others & ~src.holds).sum())
             rates = [lk.rate for lk in sched.links.values() if lk.rate > 0 and lk is not src]
-            slow = src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * float(np.median(rates))
+            slow = src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * statistics.median(rates)
             lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow
         if lagging:
             mask |= missing & ~sched.inflight

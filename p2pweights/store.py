@@ -208,9 +208,10 @@ class Store:
 
     writable = True  # chunks may be written into ``chunk(i)`` (received, or read from a source)
 
-    def __init__(self, manifest, buffer=None):
+    def __init__(self, manifest, buffer=None, files=None):
         self.manifest = manifest
         self.buffer = buffer if buffer is not None else blob_backing(manifest.total_size)
+        self.files = files  # the copy's files (cache.DiskCache) ``buffer`` maps, or None: memory
         self.view = memoryview(self.buffer).cast("B")
         if len(self.view) < manifest.total_size:
             raise ValueError(f"buffer of {len(self.view)} bytes cannot hold a {manifest.total_size}-byte blob")
@@ -229,6 +230,27 @@ class Store:
 
     def has(self, index: int) -> bool:
         return bool(self.have[index])
+
+    @property
+    def in_place(self) -> bool:
+        """Whether chunks are received straight into ``chunk(i)`` (memory), not handed to ``write``."""
+        return self.files is None
+
+    def write(self, index: int, data) -> None:
+        """Put verified chunk ``index`` into the files behind the buffer (OSError if they refuse).
+
+        By ``pwrite``, not by copying into the mapping: faulting a shared file
+        mapping's pages in for writing (read-around of the preallocated blocks,
+        ``page_mkwrite``) cost 2 to 3 times the kernel CPU of writing the same
+        bytes (a 256 MiB join on ext4: 1.3-1.5 s against 0.4-0.6 s of system
+        time).  Either way the bytes are copied once, from the network buffer
+        into the page cache, and the mapping, which shares those pages, serves
+        them.
+        """
+        if self.files is None:
+            self.chunk(index)[:] = data
+        else:
+            self.files.write_chunk(index, data)
 
     @property
     def complete(self) -> bool:

@@ -45,10 +45,14 @@ def src(tmp_path):
 
 
 def fill(store, data: bytes, indices):
-    """Land chunks as the node does: bytes into store.chunk(i), then verified(i)."""
+    """Land chunks as the node does: into store.chunk(i) (memory) or through store.write (files), then
+    verified(i)."""
     for i in indices:
         lo, hi = store.manifest.chunk_span(i)
-        store.chunk(i)[:] = data[lo:hi]
+        if store.in_place:
+            store.chunk(i)[:] = data[lo:hi]
+        else:
+            store.write(i, memoryview(data)[lo:hi])
         store.verified(i)
 
 
@@ -61,12 +65,14 @@ def test_file_map_is_the_blob_over_the_files(src):
     assert bytes(memoryview(fm.buffer)[: m.total_size]) == blob(src, m)  # padding reads as zeros
 
 
-def test_copy_files_final_one_by_one_then_the_marker(src, tmp_path):
+@pytest.mark.parametrize("through", ["write", "mapping"])
+def test_copy_files_final_one_by_one_then_the_marker(src, tmp_path, through):
     m, _, _ = build(src, CHUNK)
     data = blob(src, m)
     out = tmp_path / "out"
-    cache = DiskCache(m, out, write_back=True)  # writeback started as chunks verify (as for a blob over budget)
-    store = Store(m, cache.filemap.buffer)
+    cache = DiskCache(m, out)  # writeback started as chunks verify
+    # the node writes verified chunks into the files (pwrite); bytes put into the mapping land there too
+    store = Store(m, cache.filemap.buffer, files=cache if through == "write" else None)
     store.sinks.append(cache)
     # preallocated under .partial names, blocks allocated; the empty file is final at once
     for f in m.files:
