@@ -122,8 +122,8 @@ class TrackerEndpoint:
         if dead and f["parent"] in self.tracker.members and not self.tracker.members[f["parent"]].left:
             self._gone(f["parent"], f"reported silent by rank {rank}")
         new = self.tracker.reparent(rank, f["stripe"], f["parent"], dead)
-        log.info("rank %d lost parent rank %d in stripe %d (%s): now under rank %d",
-                 rank, f["parent"], f["stripe"], f["reason"], new)
+        log.info("rank %d lost parent rank %d in stripe %d (%s): %s", rank, f["parent"], f["stripe"], f["reason"],
+                 "its partners share the stripe" if new is None else f"now under rank {new}")
         self.tracker.moved.append(rank)
         self._announce()
 

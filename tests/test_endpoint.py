@@ -1,0 +1,135 @@
+"""The seeder's tracker endpoint alone: members' messages in, the messages to send out, no sockets."""
+import logging
+
+import pytest
+
+from p2pweights import protocol
+from p2pweights.chunker import build
+from p2pweights.endpoint import REVIEW_INTERVAL, TrackerEndpoint
+from p2pweights.protocol import Msg, ProtocolError
+from p2pweights.topology import make
+from p2pweights.tracker import SLOW_EVIDENCE, Tracker
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def manifest(tmp_path):
+    (tmp_path / "m.bin").write_bytes(bytes(range(256)) * 4096)
+    return build(str(tmp_path / "m.bin"), chunk_size=64 << 10)[0]
+
+
+def endpoint(manifest, plan="forest:2"):
+    clock = Clock()
+    return TrackerEndpoint(Tracker(make(plan), "10.0.0.0:7420", clock=clock), manifest, clock), clock
+
+
+def sent(ep) -> list[tuple[bytes, protocol.Event]]:
+    return [(ident, protocol.decode(frames)) for ident, frames in ep.take()]
+
+
+def join(ep, n):
+    for i in range(1, n + 1):
+        assert ep.hello(f"id{i}".encode(), {"peer_id": f"p{i}", "listen": f"10.0.0.{i}:7000"})
+    return sent(ep)
+
+
+def test_hello_is_welcomed_with_rank_plan_partners_and_the_manifest(manifest):
+    ep, _ = endpoint(manifest)
+    out = join(ep, 3)
+    welcomes = [(i, e) for i, e in out if e.type == Msg.WELCOME]
+    assert [i for i, _ in welcomes] == [b"id1", b"id2", b"id3"]
+    ranks = [e.fields["rank"] for _, e in welcomes]
+    assert ranks == [1, 2, 3] and all(e.fields["stripes"] == 2 for _, e in welcomes)
+    assert welcomes[0][1].payload is not None  # the manifest rides along
+    first = welcomes[0][1].fields["parents"]  # the first joiner: the seeder in both stripes
+    assert [(p["rank"], p["addr"], p["stripe"]) for p in first] == [(0, "10.0.0.0:7420", 0), (0, "10.0.0.0:7420", 1)]
+    assert all(len(e.fields["parents"]) == 2 for _, e in welcomes)
+
+
+def test_a_joiner_wanting_another_model_is_refused_and_not_placed(manifest):
+    ep, _ = endpoint(manifest)
+    assert not ep.hello(b"x", {"peer_id": "p", "listen": "10.0.0.9:7000", "model_id": "ff" * 32})
+    [(ident, e)] = sent(ep)
+    assert ident == b"x" and e.type == Msg.ERROR and e.fields["fatal"] and "model id mismatch" in e.fields["message"]
+    assert ep.tracker.members == {}
+
+
+def test_an_overlong_name_is_a_protocol_error(manifest):
+    ep, _ = endpoint(manifest)
+    with pytest.raises(ProtocolError):
+        ep.hello(b"x", {"peer_id": "p" * 10_000, "listen": "10.0.0.9:7000"})
+
+
+def test_a_member_gone_re_places_whoever_it_fed_and_tells_them(manifest):
+    ep, _ = endpoint(manifest)
+    join(ep, 8)
+    fed = {r for r, m in ep.tracker.members.items() if 1 in m.parents}
+    assert fed
+    ep.bye(b"id1")
+    told = {ident for ident, e in sent(ep) if e.type == Msg.REPARENT}
+    assert {f"id{r}".encode() for r in fed} <= told
+    assert all(1 not in m.parents for r, m in ep.tracker.members.items() if r != 1)
+
+
+def test_orphan_from_a_member_moves_it_and_the_log_names_the_outcome(manifest, caplog):
+    ep, _ = endpoint(manifest)
+    join(ep, 8)
+    child, stripe = next((r, s) for r, m in ep.tracker.members.items() for s, p in enumerate(m.parents)
+                         if p not in (0, None))
+    parent = ep.tracker.members[child].parents[stripe]
+    with caplog.at_level(logging.INFO, logger="p2pw"):
+        ep.orphan(f"id{child}".encode(), {"rank": child, "stripe": stripe, "parent": parent,
+                                          "reason": "silent", "dead": True})
+    assert ep.tracker.members[parent].left
+    assert parent not in ep.tracker.members[child].parents
+    line = next(r.getMessage() for r in caplog.records if "lost parent" in r.getMessage())
+    assert f"rank {child} lost parent rank {parent} in stripe {stripe} (silent)" in line
+    assert "now under rank" in line or "partners share" in line
+
+
+def test_orphan_for_someone_else_or_a_missing_stripe_is_refused(manifest):
+    ep, _ = endpoint(manifest)
+    join(ep, 3)
+    with pytest.raises(ProtocolError):
+        ep.orphan(b"id2", {"rank": 3, "stripe": 0, "parent": 1, "reason": "x"})
+    with pytest.raises(ProtocolError):
+        ep.orphan(b"id2", {"rank": 2, "stripe": 7, "parent": 1, "reason": "x"})
+
+
+def test_heartbeats_with_a_slow_forwarder_demote_it_after_repeated_reviews(manifest):
+    ep, clock = endpoint(manifest)
+    join(ep, 8)
+    f = ep.tracker.topology
+    slow = next(r for r in range(1, 9) if f.kids[f.group[r]][r])
+    for _ in range(SLOW_EVIDENCE):
+        for r, m in ep.tracker.members.items():
+            links = {str(p): (1e6 if p == slow else 40e6) for p in set(m.parents) | set(m.partners) if p}
+            ep.heartbeat(f"id{r}".encode(), {"have": 1, "links": links})
+        clock.t += REVIEW_INTERVAL
+        ep.review()
+    assert ep.tracker.members[slow].demoted
+    assert any(e.type == Msg.REPARENT for _, e in sent(ep))
+    with pytest.raises(ProtocolError):
+        ep.heartbeat(b"id1", {"links": {"x": "y"}})
+
+
+def test_leave_waits_for_dependents_then_status_lists_the_fleet(manifest):
+    ep, clock = endpoint(manifest)
+    join(ep, 4)
+    ep.leave(b"id1", {})
+    [(ident, e)] = sent(ep)
+    assert ident == b"id1" and e.type in (Msg.LEAVE_WAIT, Msg.LEAVE_OK)
+    for r in range(2, 5):
+        ep.done(f"id{r}".encode(), {})
+    clock.t += 1.0
+    assert ep.publish(clock.t) is not None
+    ep.status(b"anyone", {})
+    [(ident, e)] = sent(ep)
+    assert ident == b"anyone" and e.type == Msg.STATUS_REPLY and e.fields["peers"] == 4
