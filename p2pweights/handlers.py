@@ -43,8 +43,11 @@ class Handlers:
             handler = self.on_inbox
         else:
             link = next((lk for lk in n.partners.links.values() if lk.socket is sock), None)
-            if link is None:  # closed earlier in this poll
-                return
+            if link is None:
+                watched = next((lk for lk in n.partners.links.values() if lk.monitor is sock), None)
+                if watched is not None:  # a partner's connection event
+                    n.partners.dropped(watched)
+                return  # else: closed earlier in this poll
             handler = lambda s, link=link: self.on_link(link)  # noqa: E731
         deadline = n.clock() + DRAIN_SECONDS
         for _ in range(DRAIN):

@@ -2,9 +2,11 @@
 
 The tracker's plan names a planned source per stripe and a few more partners;
 ``set_plan`` opens a link to each one not yet linked and closes the links to
-those no longer named (their requests are asked elsewhere).  ``watch`` gives
-up a partner gone silent, or a planned source that answers but sends nothing;
-a planned source given up is reported to the tracker, which names another.
+those no longer named (their requests are asked elsewhere).  A partner whose
+connection drops (its process died: the kernel closed its sockets) is given
+up at once (``dropped``, from a socket monitor on each link); ``watch`` gives
+up a partner gone silent, or a planned source that answers but sends nothing.
+A planned source given up is reported to the tracker, which names another.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from .protocol import CLIENT_TRANSITIONS, Connection, Msg
 from .serve import MAX_PARKED
 
 log = logging.getLogger("p2pw")
+
+SILENT_PATIENCE = 6  # parent timeouts a partner with our requests queued may stay silent before it is given up
 
 
 def tcp(addr: str) -> str:
@@ -35,6 +39,7 @@ class PartnerLink:
     last_heard: float
     last_chunk: float
     orphan_sent: float = 0.0
+    monitor: zmq.Socket | None = None  # EVENT_DISCONNECTED of ``socket`` (not on the seeder's link)
 
 
 class Partners:
@@ -100,11 +105,16 @@ class Partners:
         sock.setsockopt(zmq.MAXMSGSIZE, max(n.manifest.chunk_size, protocol.MAX_CONTROL_BODY) + 4096)
         sock.setsockopt(zmq.RCVHWM, 4 * MAX_PARKED)
         keys.secure_client(sock, n.key)
+        # the seeder's link is kept through a drop (zmq reconnects): it alone may hold what nobody else does
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) if rank != 0 else None
         sock.connect(tcp(addr))
         now = n.clock()
-        self.links[rank] = PartnerLink(rank, addr, sock, Connection(CLIENT_TRANSITIONS, "attaching"), now, now)
+        self.links[rank] = PartnerLink(rank, addr, sock, Connection(CLIENT_TRANSITIONS, "attaching"), now, now,
+                                       monitor=monitor)
         n.pull.add(rank)
         n.poller.register(sock, zmq.POLLIN)
+        if monitor is not None:
+            n.poller.register(monitor, zmq.POLLIN)
         n._post(sock, protocol.control(Msg.ATTACH, peer_id=n.peer_id, rank=n.rank, model_id=n.model_id))
 
     def close(self, rank: int) -> None:
@@ -112,9 +122,26 @@ class Partners:
         n = self.node
         link = self.links.pop(rank, None)
         if link is not None:
+            if link.monitor is not None:
+                n.poller.unregister(link.monitor)
+                try:
+                    link.socket.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                link.monitor.close(0)
             n.poller.unregister(link.socket)
             link.socket.close(0)
         n.pull.drop(rank)
+
+    def dropped(self, link: PartnerLink) -> None:
+        """``link``'s monitor has events: if its connection dropped, give the partner up now (its
+        requests are asked elsewhere at once), not after ``parent_timeout`` of silence."""
+        gone = False
+        while link.monitor is not None and link.monitor.poll(0, zmq.POLLIN):
+            frames = link.monitor.recv_multipart()
+            gone = gone or (len(frames[0]) >= 2 and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED)
+        if gone and link.rank in self.links:
+            self.give_up(link.rank, "its connection dropped", dead=True)
 
     def parents(self) -> list[dict]:
         """Our planned source in each stripe now (the tracker may have moved us since we joined)."""
@@ -123,14 +150,31 @@ class Partners:
     def _watch(self, link: PartnerLink, now: float) -> None:
         """Give up a silent partner, or a planned source that answers but sends nothing."""
         n = self.node
-        if now - link.last_heard > n.parent_timeout:
-            self.give_up(link.rank, f"silent for {now - link.last_heard:.1f} s", dead=True)
+        lk = n.pull.links.get(link.rank)
+        silent = now - link.last_heard
+        if silent > n.parent_timeout and not self._busy_not_dead(link, lk, silent, now):
+            self.give_up(link.rank, f"silent for {silent:.1f} s", dead=True)
             return
         planned = any(p["rank"] == link.rank for p in self.plan)
-        lk = n.pull.links.get(link.rank)
         if planned and link.rank != 0 and lk is not None and lk.outstanding \
                 and now - link.last_chunk > 3 * n.parent_timeout and n.member is not None:
             self.give_up(link.rank, f"stalled: no chunk for {now - link.last_chunk:.1f} s though it is alive")
+
+    def _busy_not_dead(self, link: PartnerLink, lk, silent: float, now: float) -> bool:
+        """Whether a partner silent for ``silent`` s is only slow: its heartbeats queue behind the
+        chunks we asked of it (a few MiB each, over an uplink shared by many), not lost.
+
+        The seeder is alive while its tracker link speaks to us.  Another partner with our requests
+        outstanding gets twice the time its measured rate needs for them (at most
+        ``SILENT_PATIENCE`` timeouts); the pull scheduler re-asks stalled requests elsewhere
+        meanwhile, and a partner whose process died is given up at once by its connection drop."""
+        n = self.node
+        if link.rank == 0 and n.member is not None and now - n.member.heard <= n.parent_timeout:
+            return True
+        if lk is None or not lk.outstanding:
+            return False
+        need = 2 * len(lk.outstanding) * n.manifest.chunk_size / lk.rate if lk.rate > 0 else float("inf")
+        return silent <= min(SILENT_PATIENCE * n.parent_timeout, max(n.parent_timeout, need))
 
     def give_up(self, rank: int, reason: str, dead: bool = False, level: int = logging.WARNING) -> None:
         """Stop pulling from partner ``rank``; if it was a planned source, ask the tracker for another."""

@@ -60,6 +60,10 @@ def test_peer_killed_mid_transfer_costs_only_its_requests(procs, tmp_path, model
         peers[rank].wait_line("p2pw: done", timeout=120)
         assert same_tree(model, tmp_path / f"r{rank}") == []
     seeder.wait_line(r"peer rank 1 (disconnected|left|reported silent)")
+    # its partners gave it up when its connections dropped, not after the silence timeout
+    said = "".join(peers[r].output() for r in range(2, 7))
+    assert "giving up partner rank 1: its connection dropped" in said, said
+    assert "giving up partner rank 1: silent" not in said, said
 
 
 def test_seeder_killed_for_good_peers_finish_what_others_hold_the_rest_give_up(procs, tmp_path, model):
