@@ -156,7 +156,7 @@ class LinkWatch:
             if self.sock in ready:
                 return True
             if self.monitor in ready:
-                raise LinkRefused(self._reason(_monitor_event(self.monitor)))
+                raise LinkRefused(self._reason(monitor_event(self.monitor)))
         return False
 
     def _reason(self, event: int) -> str:
@@ -177,7 +177,7 @@ class LinkWatch:
         self.monitor.close(0)
 
 
-def _monitor_event(sock: zmq.Socket) -> int:
+def monitor_event(sock: zmq.Socket) -> int:
     """The event number of the next socket-monitor message (its first frame starts with a u16).
 
     Read by hand: ``zmq.utils.monitor`` imports asyncio, 20 ms of every join's start."""

@@ -138,8 +138,7 @@ class Partners:
         requests are asked elsewhere at once), not after ``parent_timeout`` of silence."""
         gone = False
         while link.monitor is not None and link.monitor.poll(0, zmq.POLLIN):
-            frames = link.monitor.recv_multipart()
-            gone = gone or (len(frames[0]) >= 2 and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED)
+            gone = keys.monitor_event(link.monitor) == zmq.EVENT_DISCONNECTED or gone
         if gone and link.rank in self.links:
             self.give_up(link.rank, "its connection dropped", dead=True)
 

@@ -244,8 +244,8 @@ class PullScheduler:
         self.dirty = False
         out: dict[int, list[int]] = {}
         ready = [lk for lk in self.links.values() if lk.ready and lk.free()]
-        self._avail = ~self.have & (~self.inflight | self.movable)  # what a pick may take (``_ask`` clears)
         if self.urgent.any():  # 1. waiters first, from whoever holds them
+            self._avail = ~self.have & (~self.inflight | self.movable)  # what a pick may take (``_ask`` clears)
             for lk in ready:
                 self._ask(lk, self._pick(lk, self.urgent & lk.holds, lk.free()), out)
         peers_hold = self._peers_hold()
