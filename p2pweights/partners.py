@@ -55,8 +55,8 @@ class Partners:
             self._watch(link, now)
 
     def close_all(self) -> None:
-        for link in self.links.values():
-            link.socket.close(0)
+        for rank in list(self.links):
+            self.close(rank)
 
     def set_plan(self, parents: list[dict], partners: list[dict], stripes: int | None = None) -> None:
         """The tracker's plan for us: a planned source per stripe, and partners to pull from too.

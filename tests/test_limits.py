@@ -129,3 +129,28 @@ def test_manifest_chunk_size_limit():
     m = Manifest(total_size=MAX_CHUNK_SIZE * 2, chunk_size=MAX_CHUNK_SIZE * 2, chunks=["0" * 16])
     with pytest.raises(ManifestError, match="chunk size"):
         Manifest.from_json(m.to_json())
+
+
+@pytest.mark.timeout(60)
+def test_closing_a_join_mid_transfer_with_partner_links_ends_its_context(tmp_path, monkeypatch):
+    """Every socket of a partner link (its DEALER and the monitor watching it for a drop) is closed,
+    so close() returns: a socket left open would block the context's term() forever."""
+    import threading
+    import time
+
+    path = tmp_path / "model.bin"
+    path.write_bytes(np.random.default_rng(4).integers(0, 256, 64 * (64 << 10), dtype=np.uint8).tobytes())
+    monkeypatch.setenv("P2PW_FAULTS", "delay_recv=30ms")  # both joins still pulling when closed
+    with seed(path, host="127.0.0.1", port=0, chunk_size=64 << 10) as s:
+        a = join(f"127.0.0.1:{s.port}", host="127.0.0.1", peer_id="a", connect_timeout=10, cache=None)
+        b = join(f"127.0.0.1:{s.port}", host="127.0.0.1", peer_id="b", connect_timeout=10, cache=None)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any(
+                r != 0 and lk.monitor is not None for d in (a, b) for r, lk in list(d.node.partners.links.items())):
+            time.sleep(0.01)
+        assert not (a.store.complete or b.store.complete), "both should still be pulling (each chunk waits 30 ms)"
+        assert any(r != 0 for d in (a, b) for r in list(d.node.partners.links)), "no partner link opened"
+        closer = threading.Thread(target=lambda: (a.close(), b.close()), daemon=True)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive(), "close() hung: a partner link's socket was left open"
