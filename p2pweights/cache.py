@@ -143,7 +143,7 @@ def marker_matches(manifest, out: str, paths: list[str] | None = None) -> bool:
 class DiskCache:
     """The files of ``manifest`` under ``out`` as one mapped blob (``filemap``), finalised file by file."""
 
-    def __init__(self, manifest, out: str, verify: str = "marker", on_error=None, write_back: bool = True,
+    def __init__(self, manifest, out: str, verify: str = "marker", on_error=None,
                  names: list[str] | None = None):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
@@ -160,9 +160,8 @@ class DiskCache:
         self.resuming = False
         self.complete = False  # the marker matched: every chunk is on disk and final
         self.chunks_done = self.bytes_done = 0
-        # writeback starts as chunks verify, so dirty pages never fill memory and the disk works during the
-        # transfer, not after it: each file's fsync, and the join's exit, then wait for little
-        self.write_back = write_back
+        # writeback starts as chunks verify (``_write_back``), so dirty pages never fill memory and the disk
+        # works during the transfer, not after it: each file's fsync, and the join's exit, then wait for little
         self.unflushed: list[int] = []
         self.unflushed_bytes = 0
         self.left_total = manifest.n_chunks
@@ -311,7 +310,7 @@ class DiskCache:
                 if item is None:
                     return
                 kind, n = item
-                if kind == "chunk" and self.write_back:
+                if kind == "chunk":
                     self._write_back(n)
                 elif kind == "file":
                     self._finish_file(n)

@@ -237,7 +237,8 @@ class Store:
         return self.files is None
 
     def write(self, index: int, data) -> None:
-        """Put verified chunk ``index`` into the files behind the buffer (OSError if they refuse).
+        """Put verified chunk ``index`` into the files behind the buffer (OSError if they refuse); only for a
+        store that is not ``in_place``.
 
         By ``pwrite``, not by copying into the mapping: faulting a shared file
         mapping's pages in for writing (read-around of the preallocated blocks,
@@ -247,10 +248,7 @@ class Store:
         into the page cache, and the mapping, which shares those pages, serves
         them.
         """
-        if self.files is None:
-            self.chunk(index)[:] = data
-        else:
-            self.files.write_chunk(index, data)
+        self.files.write_chunk(index, data)
 
     @property
     def complete(self) -> bool:
