@@ -20,7 +20,7 @@ from .tracker import TrackerError
 
 log = logging.getLogger("p2pw")
 
-REVIEW_INTERVAL = 1.0  # seconds between reviews of the reported rates
+REVIEW_INTERVAL = 0.5  # seconds between reviews of the reported rates (one heartbeat)
 SNAPSHOT_INTERVAL = 0.5  # seconds between fleet snapshots (sooner, at most every SNAPSHOT_MIN, on a change)
 SNAPSHOT_MIN = 0.1
 SNAPSHOT_SHARE = 0.05  # and never more often than keeps the loop's time spent on them under this share

@@ -15,6 +15,7 @@ and sent to every partner whose request was parked on it.
 from __future__ import annotations
 
 import logging
+import random
 import struct
 import threading
 import time
@@ -87,7 +88,8 @@ class Node:
         self.faults = faults.from_env()  # test-only fault injection; None unless asked for in the environment
         n = manifest.n_chunks
         self.serve = UploadScheduler(n, store.has, fresh_first=tracker is not None)
-        self.pull = PullScheduler(n, manifest.chunk_size, store.have, window=window, clock=clock)
+        self.pull = PullScheduler(n, manifest.chunk_size, store.have, window=window, clock=clock,
+                                  rng=random.Random())
         self.endpoint = None  # the tracker's member handlers: on the seeder only
         if tracker is not None:
             from .endpoint import TrackerEndpoint

@@ -16,13 +16,17 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
    (it parks them and forwards each the moment it is verified, so a tree
    pipelines); a stripe whose planned source is gone (or that has none: every
    slot is taken) is shared by the partners that hold it, and by the seeder
-   what no partner holds;
+   what no partner holds.  A peer more than two windows behind what its
+   (non-seeder) source holds takes the rarest of the lowest candidates first,
+   ties broken at random, so siblings catching up on one source take
+   different chunks and can give each other the rest;
 3. help: chunks of a stripe whose planned source lags behind what
-   the other partners hold (``LAG_CHUNKS``) or is much slower than the other
-   links (``SLOW_LINK``), taken from partners that hold them, rarest first
-   among the lowest candidates, at most ``HELP_WINDOW`` per helping link and
-   per planned source in all, so help never crowds out a partner's own
-   children;
+   the other partners hold (``LAG_CHUNKS``), is much slower than the other
+   links (``SLOW_LINK``), or holds more than two windows we lack, taken from
+   partners that hold them (in random order, so requesters spread), rarest
+   first among the lowest candidates, at most ``HELP_WINDOW`` per helping
+   link and per planned source in all, so help never crowds out a partner's
+   own children;
 4. endgame: once nothing is left to ask, each missing chunk may be asked of a
    second holder; the first copy to arrive cancels the other request.
 
@@ -32,6 +36,7 @@ elsewhere (``stalled``); a dropped link gives its requests back at once.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -86,8 +91,9 @@ class PullScheduler:
     """Request state of one download: links, chunks in flight, priorities."""
 
     def __init__(self, n_chunks: int, chunk_size: int, have=None, stripes: int = 1,
-                 window: int = DEFAULT_WINDOW, clock=time.monotonic):
+                 window: int = DEFAULT_WINDOW, clock=time.monotonic, rng: random.Random | None = None):
         self.n = n_chunks
+        self.rng = rng if rng is not None else random.Random(0)  # breaks ties between equally rare chunks
         self.chunk_size = chunk_size
         self.stripes = stripes
         self.default_window = max(MIN_WINDOW, min(MAX_WINDOW, window))
@@ -252,6 +258,8 @@ class PullScheduler:
         lagging, orphaned = _help_mask(self, peers_hold)
         self._avail = ~self.have & (~self.inflight | self.movable)
         any_orphaned = bool(orphaned.any())
+        spread = sum(lk.ready and lk.rank != SEEDER for lk in self.links.values()) > 1  # catching up on a
+        #   backlog with partners around: rarest first, ties apart, so what we take we can give them
         for lk in sorted(ready, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
             if lk.rank == SEEDER:
                 mine = self._seeder_share(orphaned, peers_hold)
@@ -260,12 +268,13 @@ class PullScheduler:
             mask = self._planned_mask(lk.rank)
             mask = mine if mask is None else mask if mine is None else mask | mine
             if mask is not None:
-                self._ask(lk, self._pick(lk, mask, lk.free(), park=PARK_AHEAD), out)
+                behind = spread and lk.rank != SEEDER and int((mask & lk.holds & self._avail).sum()) > 2 * lk.window
+                self._ask(lk, self._pick(lk, mask, lk.free(), rarest=behind, park=PARK_AHEAD), out)
         lagging &= ~orphaned
         if lagging.any():  # 3. a stripe whose planned source lags: partners help, a few chunks each
             budget = HELP_WINDOW * max(1, len(set(self.plan))) - sum(
                 1 for lk in self.links.values() for i in lk.outstanding if i in lk.helping)
-            for lk in sorted(ready, key=lambda x: -x.rate):
+            for lk in self.rng.sample(ready, len(ready)):  # not fastest first: every peer would pick the same
                 if lk.rank == SEEDER or budget <= 0:
                     continue
                 helping = sum(1 for i in lk.outstanding if i in lk.helping)
@@ -364,7 +373,8 @@ class PullScheduler:
         if not rarest:
             return idx[:k].tolist()
         lowest = idx[:max(k, RAREST_AMONG)]
-        order = np.lexsort((lowest, self.holders[lowest]))
+        ties = np.array([self.rng.random() for _ in range(lowest.size)])  # equally rare: peers pick apart
+        order = np.lexsort((ties, self.holders[lowest]))
         return lowest[order][:k].tolist()
 
     def _ask(self, lk: Link, chunks: list[int], out: dict) -> None:
@@ -416,7 +426,8 @@ def _help_mask(sched: PullScheduler, peers_hold: np.ndarray) -> tuple[np.ndarray
             lacks = int((missing & others & ~src.holds).sum())
             rates = [lk.rate for lk in sched.links.values() if lk.rate > 0 and lk is not src]
             slow = src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * statistics.median(rates)
-            lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow
+            backlog = int((missing & src.holds & ~sched.inflight).sum())  # it holds more than we keep up with
+            lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow or backlog > 2 * src.window
         if lagging:
             mask |= missing & ~sched.inflight
             if src is not None and src.holds is not None and slow:  # parked at a slow source

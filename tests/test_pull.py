@@ -1,8 +1,10 @@
 """The pull scheduler alone: a fake clock, links built from short strings, each pick asserted."""
+import random
+
 import numpy as np
 import pytest
 
-from p2pweights.pull import HELP_WINDOW, MAX_WINDOW, MIN_WINDOW, PullScheduler
+from p2pweights.pull import HELP_WINDOW, MAX_WINDOW, MIN_WINDOW, RAREST_AMONG, PullScheduler
 
 CHUNK = 1 << 20
 
@@ -82,8 +84,31 @@ def test_a_lagging_planned_source_loses_its_share_to_a_partner_that_holds_it():
 
 
 def test_a_planned_source_a_little_behind_keeps_its_share():
-    s, _ = sched(n=32, links={1: "1" * 28 + "....", 2: "1" * 32}, plan=(1,), window=4)
+    s, _ = sched(n=32, have="1" * 24 + "." * 8, links={1: "1" * 28 + "....", 2: "1" * 32}, plan=(1,), window=4)
     assert set(asked(s)) == {1}
+
+
+def test_a_peer_far_behind_its_source_takes_some_from_partners_that_hold_it():
+    # its source holds 32 chunks it lacks, more than 2 windows: a partner with the same chunks helps
+    s, _ = sched(n=32, links={1: "1" * 32, 2: "1" * 32}, plan=(1,), window=2)
+    got = asked(s)
+    assert len(got[1]) == 2 and 0 < len(got[2]) <= HELP_WINDOW
+    assert not set(got[1]) & set(got[2])
+    assert max(got[1] + got[2]) < RAREST_AMONG  # near blob order still
+
+
+def test_peers_catching_up_on_one_source_pick_different_chunks():
+    # two siblings behind the same source: rarest first, ties broken apart, so each can give the other
+    # what it took (in blob order they would take the same chunks, and each chunk twice from the source)
+    picks = []
+    for seed in (1, 2):
+        s = PullScheduler(32, CHUNK, stripes=1, window=2, clock=Clock(), rng=random.Random(seed))
+        s.set_plan([1])
+        for rank in (1, 2):
+            s.add(rank)
+            s.ready(rank, bits("1" * 32))
+        picks.append(set(dict(s.requests())[1]))
+    assert picks[0] != picks[1] and all(max(p) < RAREST_AMONG for p in picks)
 
 
 def test_a_dead_planned_source_gives_its_requests_back_at_once():
@@ -110,13 +135,13 @@ def test_seeder_helps_only_an_orphaned_stripe():
 
 
 def test_stall_gives_requests_back_and_cancels_them():
-    s, clock = sched(links={1: "11111111", 2: "11111111"}, window=2)
+    s, clock = sched(links={1: "11111111", 2: "11111111"}, window=4)
     asked(s)
     clock.t = 100.0
     late = s.stalled()
-    assert late == [(1, [0, 1])]
-    assert s.take_cancels() == [(1, [0, 1])]
-    assert not s.inflight[:2].any()
+    assert late == [(1, [0, 1, 2, 3])]
+    assert s.take_cancels() == [(1, [0, 1, 2, 3])]
+    assert not s.inflight[:4].any()
 
 
 def test_endgame_asks_a_second_holder_and_the_first_copy_cancels_the_other():

@@ -54,6 +54,8 @@ def test_slow_forwarder_is_made_a_leaf_and_holds_nobody_back(procs, tmp_path, mo
 def test_peer_killed_mid_transfer_costs_only_its_requests(procs, tmp_path, model):
     paced = {"P2PW_FAULTS": "delay_recv=10ms"}
     seeder, info, peers = start(procs, tmp_path, model, 6, env_for=lambda r: paced, extra=("--stay",))
+    for rank in range(2, 7):  # every partner link is up (a peer that joins after the kill can only see silence)
+        wait_fraction(tmp_path / f"r{rank}", info["total_size"], 0.02, peers[rank])
     wait_fraction(tmp_path / "r1", info["total_size"], 1 / 3, peers[1])
     os.kill(peers[1].pid, signal.SIGKILL)
     for rank in range(2, 7):
