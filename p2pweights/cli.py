@@ -611,5 +611,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The console entry point: ``main``, then exit without tearing the interpreter down.
+
+    Every command has closed what it opened (files fsynced and renamed, reports written, links
+    closed) when ``main`` returns; the teardown after it only frees memory, and measured 0.1 CPU s
+    a join, paid by every host of a broadcast at the same moment."""
+    rc = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say there
+            pass
+    os._exit(0 if rc is None else rc if isinstance(rc, int) else 1)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
