@@ -24,7 +24,7 @@ ROOT = 0
 PARTNERS = 4  # partners a joiner is given besides its planned parents
 MAX_PARTNERS = 8  # partners one peer is given in all (newcomers also partner with earlier peers)
 SLOW_FRACTION = 0.33  # a host delivering below this share of the fleet's median uplink is demoted
-SLOW_EVIDENCE = 3  # consecutive rate reviews (one per heartbeat, 0.5 s) that must find a host slow before it is demoted
+SLOW_EVIDENCE = 2  # consecutive rate reviews (one per heartbeat, 0.5 s) that must find a host slow before it is demoted
 
 
 @dataclass
