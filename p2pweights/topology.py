@@ -176,6 +176,10 @@ class Forest:
     loaded one.  When a group member joins, it adopts leaves from overloaded
     parents of its stripe (``place`` returns those moves).  ``demote`` makes a
     slow host a leaf everywhere; ``remove`` re-places a departed peer's children.
+    When a stripe has a peer no slot serves while another stripe has a slot
+    free (a demotion leaves 7 forwarders in groups of 4 and 3), a forwarder
+    with a free slot lends it to that stripe: it then forwards in two stripes,
+    still one copy in all (``lent``).
     """
 
     def __init__(self, k: int = 2):
@@ -183,6 +187,7 @@ class Forest:
         self.name = f"forest:{self.k}"
         self.group: dict[int, int | None] = {}  # rank -> stripe it is interior in (None: leaf everywhere)
         self.slots: dict[int, int] = {0: 1}  # rank -> child slots in its interior stripe
+        self.lent: dict[int, int] = {}  # rank -> the stripe one of its slots serves (see the class doc)
         self.parent: list[dict[int, int]] = [{} for _ in range(self.k)]  # per stripe: rank -> parent
         self.kids: list[dict[int, set]] = [{0: set()} for _ in range(self.k)]
         self.depth: list[dict[int, int]] = [{0: 0} for _ in range(self.k)]
@@ -194,13 +199,18 @@ class Forest:
         return [self.parent[s][rank] for s in range(self.k)]
 
     def interior_in(self, rank: int, stripe: int) -> bool:
-        return rank == 0 or self.group.get(rank) == stripe
+        return rank == 0 or self.group.get(rank) == stripe or self.lent.get(rank) == stripe
 
     def load(self, rank: int, stripe: int) -> int:
         return len(self.kids[stripe].get(rank, ()))
 
     def capacity(self, rank: int, stripe: int) -> int:
-        return self.slots.get(rank, 0) if self.interior_in(rank, stripe) else 0
+        slots, lent = self.slots.get(rank, 0), self.lent.get(rank)
+        if rank == 0:
+            return slots
+        if stripe == self.group.get(rank):
+            return slots - (lent is not None)
+        return 1 if stripe == lent else 0
 
     # ----- verbs -------------------------------------------------------------
 
@@ -230,6 +240,7 @@ class Forest:
                 del self.parent[s][c]
                 moves.append(self._move(c, s))
         del self.group[rank], self.slots[rank]
+        self.lent.pop(rank, None)
         return _unique(moves + self._balance_groups() + self._settle())
 
     def demote(self, rank: int) -> list[tuple[int, int]]:
@@ -238,7 +249,7 @@ class Forest:
         if g is None or rank not in self.group:
             return []
         self.group[rank], self.slots[rank] = None, 0
-        moves = [self._move(c, g) for c in sorted(self.kids[g][rank])]
+        moves = [self._move(c, g) for c in sorted(self.kids[g][rank])] + self._unlend(rank)
         return _unique(moves + self._balance_groups() + self._settle())
 
     def _balance_groups(self) -> list[tuple[int, int]]:
@@ -252,6 +263,7 @@ class Forest:
                 return moves
             r = min((r for r, g in self.group.items() if g == big),
                     key=lambda r: (self.load(r, big), -self.depth[big][r], -r))
+            moves.extend(self._unlend(r))
             self.group[r] = small
             moves.extend(self._move(c, big) for c in sorted(self.kids[big][r]))
 
@@ -347,7 +359,7 @@ class Forest:
         moves = []
         for s in range(self.k):
             for _ in range(4 * len(self.kids[s])):  # each step strictly improves; bound it anyway
-                step = self._swap_up(s) or self._unload(s) or self._place_unplaced(s)
+                step = self._swap_up(s) or self._unload(s) or self._place_unplaced(s) or self._lend(s)
                 if not step:
                     break
                 moves.extend(step)
@@ -378,6 +390,27 @@ class Forest:
             if dst is not None:
                 return [self._move(r, s, to=dst)]
         return []
+
+    def _lend(self, s: int) -> list[tuple[int, int]]:
+        """A peer in stripe ``s`` has no slot and none is free there: a forwarder of another stripe
+        with a slot free lends it to ``s`` (the shallowest in ``s``, outside that peer's subtree)."""
+        unplaced = [r for r, p in self.parent[s].items() if p is None]
+        if not unplaced:
+            return []
+        mine = self._subtree(unplaced[0], s)
+        cands = [r for r, g in self.group.items()
+                 if g is not None and g != s and r not in self.lent and r not in mine and self.slots[r] >= 2
+                 and self.load(r, g) < self.capacity(r, g) and self.depth[s].get(r, UNPLACED) < UNPLACED]
+        if not cands:
+            return []
+        r = min(cands, key=lambda r: (self.depth[s][r], r))
+        self.lent[r] = s
+        return [(r, s)]
+
+    def _unlend(self, rank: int) -> list[tuple[int, int]]:
+        """``rank`` takes its lent slot back; the child it served there is placed again."""
+        s = self.lent.pop(rank, None)
+        return [] if s is None else [self._move(c, s) for c in sorted(self.kids[s][rank])]
 
     def _unload(self, s: int) -> list[tuple[int, int]]:
         over = [r for r in self.kids[s] if self.load(r, s) > self.capacity(r, s)]

@@ -131,3 +131,53 @@ def test_forest_settled_table_matches_the_incremental_plan_in_shape():
             for r in range(1, n + 1):
                 depth[r] = depth[table[s][r]] + 1
             assert max(depth) <= max(inc.depth[s].values())
+
+
+def test_forest_demotion_lends_a_free_slot_so_every_peer_keeps_a_planned_source():
+    # 8 forwarders in groups of 4 and 4; demoting one leaves 4 and 3, and the stripe of 3 has 6 slots
+    # for 7 receivers: a forwarder of the other group with a slot free lends it there
+    from p2pweights.topology import Forest
+
+    f = Forest(2)
+    for r in range(1, 9):
+        f.place(r)
+    moves = f.demote(1)
+    assert all(f.parent[s][r] is not None for s in range(2) for r in range(1, 9))
+    (lender, stripe), = f.lent.items()
+    assert f.group[lender] != stripe and f.kids[stripe][lender]  # it forwards in a second stripe now
+    assert (lender, stripe) in moves
+    for r in range(1, 9):  # still one copy per uplink: a lent slot comes out of its own stripe
+        assert sum(f.capacity(r, s) for s in range(2)) <= f.slots[r]
+        assert all(f.load(r, s) <= f.capacity(r, s) for s in range(2))
+    f.demote(lender)  # a lender that is demoted in turn gives the slot back, and its child moves
+    assert lender not in f.lent and not any(f.kids[s][lender] for s in range(2))
+
+
+def test_forest_keeps_its_invariants_through_random_joins_demotions_and_departures():
+    import random
+
+    from p2pweights.topology import Forest
+
+    for trial in range(200):
+        rnd = random.Random(trial)
+        n, k = rnd.randint(3, 20), rnd.choice([2, 2, 3])
+        f = Forest(k)
+        for r in range(1, n + 1):
+            f.place(r)
+        alive = set(range(1, n + 1))
+        for _ in range(rnd.randint(1, 4)):
+            victim = rnd.choice(sorted(alive))
+            if rnd.random() < 0.5:
+                f.demote(victim)
+            else:
+                f.remove(victim)
+                alive.discard(victim)
+            for r in alive:
+                assert sum(f.capacity(r, s) for s in range(k)) <= f.slots[r], trial
+                for s in range(k):
+                    assert f.load(r, s) <= f.capacity(r, s), trial
+                    seen, p = set(), f.parent[s][r]
+                    while p not in (None, 0):  # a live ancestor chain up to the seeder, no cycle
+                        assert p in alive and p not in seen, trial
+                        seen.add(p)
+                        p = f.parent[s][p]
