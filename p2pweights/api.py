@@ -124,7 +124,6 @@ class Seeder:
                 self.store = SourceStore.open(self.manifest, path)
             self.store.hold_all()
         self.scan_seconds = time.monotonic() - t0
-        self.io_at_serve = storage_read_bytes()  # from here on, storage reads are pages sending read again
         if topology.strip().lower().startswith("auto"):  # now the chunk count is known: choose with it
             self.topology = make_topology(topology, chunks=self.manifest.n_chunks)
         # serving a copy the model cache keeps: hold it, so it is not evicted while seeded
@@ -144,6 +143,9 @@ class Seeder:
                          window=window, key=key)
         if self.source is not None:
             self.node.attach_source(self.source)
+        # from here on, the process's storage reads are pages sending reads again (set up, imports and all,
+        # is behind us); an object store's temp file is not its storage: the bucket's reads are counted there
+        self.io_at_serve = storage_read_bytes() if self.s3 is None else None
         self.node.start()
 
     @property
