@@ -268,8 +268,8 @@ class PullScheduler:
             mask = self._planned_mask(lk.rank)
             mask = mine if mask is None else mask if mine is None else mask | mine
             if mask is not None:
-                behind = spread and lk.rank != SEEDER and int((mask & lk.holds & self._avail).sum()) > 2 * lk.window
-                self._ask(lk, self._pick(lk, mask, lk.free(), rarest=behind, park=PARK_AHEAD), out)
+                behind = 2 * lk.window if spread and lk.rank != SEEDER else None
+                self._ask(lk, self._pick(lk, mask, lk.free(), park=PARK_AHEAD, spread_over=behind), out)
         lagging &= ~orphaned
         if lagging.any():  # 3. a stripe whose planned source lags: partners help, a few chunks each
             budget = HELP_WINDOW * max(1, len(set(self.plan))) - sum(
@@ -354,9 +354,11 @@ class PullScheduler:
         rates = [lk.rate for lk in self.links.values() if lk.rate > 0]
         return statistics.median(rates) if rates else 0.0
 
-    def _pick(self, lk: Link, mask: np.ndarray, k: int, rarest: bool = False, park: int = 0) -> list[int]:
+    def _pick(self, lk: Link, mask: np.ndarray, k: int, rarest: bool = False, park: int = 0,
+              spread_over: int | None = None) -> list[int]:
         """Up to ``k`` chunks of ``mask`` to ask of ``lk``: lowest first (or rarest among the lowest);
-        ``park``: how many it may hold parked (asked before it has them) at once."""
+        ``park``: how many it may hold parked (asked before it has them) at once; ``spread_over``: rarest
+        first when ``lk`` holds more candidates than this (we are catching up on it)."""
         if k <= 0:
             return []
         mask = mask & self._avail
@@ -369,7 +371,9 @@ class PullScheduler:
             held = lk.holds[idx]
             parked = sum(1 for i in lk.outstanding if not lk.holds[i])
             ahead = np.flatnonzero(~held)[:max(0, park - parked)]
-            idx = idx[np.sort(np.concatenate([np.flatnonzero(held), ahead]))]
+            held = np.flatnonzero(held)
+            rarest = rarest or (spread_over is not None and held.size > spread_over)
+            idx = idx[np.sort(np.concatenate([held, ahead]))]
         if not rarest:
             return idx[:k].tolist()
         lowest = idx[:max(k, RAREST_AMONG)]
@@ -426,8 +430,9 @@ def _help_mask(sched: PullScheduler, peers_hold: np.ndarray) -> tuple[np.ndarray
             lacks = int((missing & others & ~src.holds).sum())
             rates = [lk.rate for lk in sched.links.values() if lk.rate > 0 and lk is not src]
             slow = src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * statistics.median(rates)
-            backlog = int((missing & src.holds & ~sched.inflight).sum())  # it holds more than we keep up with
-            lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow or backlog > 2 * src.window
+            # lagging: it lacks what others hold, it is slow, or it holds more than we keep up with
+            lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow or \
+                int((missing & src.holds & ~sched.inflight).sum()) > 2 * src.window
         if lagging:
             mask |= missing & ~sched.inflight
             if src is not None and src.holds is not None and slow:  # parked at a slow source
