@@ -6,8 +6,9 @@
         [--repeat 2] [--quick] [--json FILE] [--md FILE]
 
 One testbed of N+1 hosts per N (``bench/netbed/testbed.py``: network namespaces
-on a bridge, every uplink capped with htb at ``--rate`` Mbit/s, downloads
-uncapped).  Host 0 seeds a synthetic checkpoint; hosts 1..N receive it.  For
+on a bridge, every uplink capped with htb at ``--rate`` Mbit/s and shared
+fairly between destinations, as a Linux host's default fq_codel shares it;
+downloads uncapped; ``--fifo``: one FIFO under the cap instead).  Host 0 seeds a synthetic checkpoint; hosts 1..N receive it.  For
 every case, every p2pw plan and libtorrent run in the same invocation, runs
 interleaved (the order of the tools alternates between repeats), and the tables
 show medians of ``--repeat`` runs.  ``bench/fleet.py`` does one run:
@@ -257,6 +258,8 @@ def parse_args(argv):
     ap.add_argument("--chunk-size", type=parse_size, help="p2pw seed --chunk-size (default: the seeder's own)")
     ap.add_argument("--piece-size", type=parse_size, default=256 << 10, help="libtorrent piece size (256KiB)")
     ap.add_argument("--bt-utp", action="store_true", help="let libtorrent use uTP as well as TCP (default TCP only)")
+    ap.add_argument("--fifo", action="store_true",
+                    help="one FIFO under each host's cap (the bed before stop 19), not per-destination fair queuing")
     ap.add_argument("--quick", action="store_true", help="smoke run: 32 MiB, N = 3, one repeat")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one run may take (300)")
     ap.add_argument("--md", default=str(ROOT / "bench" / "results" / "broadcast.md"),
@@ -287,7 +290,7 @@ def run_n(n: int, args, model: str, torrent: str | None, work: str, size: int) -
     floor = size / (args.rate * 1e6 / 8)
     runs = {(c, v): [] for c in args.cases for v in args.variants}
     failed = 0
-    with Testbed(n + 1, rate_mbit=args.rate) as tb:
+    with Testbed(n + 1, rate_mbit=args.rate, fair=not args.fifo) as tb:
         for rep in range(args.repeat):
             for case in args.cases:
                 tb.set_rates(case_rates(case, args.rate, args.slow_hosts, args.slow_factor))

@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "netbed")
 
 import testbed  # noqa: E402
 from testbed import ForeignNamespaceError, Testbed, check_cap, flows, list_netns  # noqa: E402
+from testbed import TCP_GOODPUT_FRACTION  # noqa: E402
 
 _ok, _why = Testbed.available()
 pytestmark = pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_why}")
@@ -28,6 +29,17 @@ def test_uplink_is_capped():
     # Generous: only says that a cap exists and is roughly the asked rate.
     assert 0.7 <= ratio <= 1.05, res
     assert res["dual"]["mbit"] / 100 <= 1.05, res
+
+
+@pytest.mark.timeout(120)
+def test_a_flow_that_starts_late_gets_its_share_of_the_uplink():
+    # One FIFO under the cap starves the late flow (TCP small queues keep it at
+    # a couple of packets behind the early flow's queue: about 5 of 100 Mbit/s
+    # here); a host's fq_codel would not, and neither may the bed.
+    with Testbed(3, rate_mbit=100) as tb:
+        res = flows(tb, [(0, 1), (0, 2)], seconds=3.0, port=5241, stagger=1.0)
+    late = res["per_flow_mbit"][1]
+    assert late >= 0.3 * 100 * TCP_GOODPUT_FRACTION, res
 
 
 @pytest.mark.timeout(120)

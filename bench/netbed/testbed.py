@@ -8,9 +8,26 @@ Layout of ``Testbed(hosts=n, rate_mbit=R, rates={i: R_i})`` with run id ``abc123
     p2pwnb-abc123-sw        the "switch": a namespace holding bridge br0
       br0 -- p0 ... p{n-1}  switch-side veth ends, enslaved to br0 (uncapped)
     p2pwnb-abc123-h{i}      host i: lo up, eth0 = 10.77.0.{i+1}/24, the peer
-                            of p{i}; eth0 egress is htb rate=ceil=R_i (the
-                            host's uplink: R unless ``rates`` names host i);
-                            the route sets congctl cubic
+                            of p{i}; eth0 egress is htb class 1:1 at
+                            rate=ceil=R_i (the host's uplink: R unless
+                            ``rates`` names host i), shared fairly by one
+                            child class per destination host (below); the
+                            route sets congctl cubic
+
+Per-destination fairness (``fair=True``, the default). Every Linux host
+queues its egress per flow (fq_codel is the default qdisc; fq where BBR is
+used), so two flows leaving one host share its uplink. This kernel has no
+fq_codel, fq, sfq or drr, and one FIFO under the cap is not what a host does:
+with TCP small queues, a flow that starts behind another's standing queue is
+allowed only a couple of packets in that FIFO at a time, never becomes
+cwnd-limited, so its window never grows, and it runs at a few percent of the
+uplink for seconds (seen at 100 Mbit/s: a seeder's second flow at cwnd 12,
+4 packets in flight, 40 KB not sent, while the first held cwnd 734). So
+under 1:1 each other host j gets its own class 1:{100+j:x} (rate R_i/hosts,
+ceil R_i, equal quanta: htb shares the cap round-robin among the busy ones)
+with its own FIFO, chosen by a u32 match on the destination address;
+anything else takes 1:10. Peers hold about one connection per pair, so per
+destination is per flow here. ``fair=False`` gives the single FIFO.
 
 A host's cap can be changed while the testbed runs (``set_rate(i, mbit)``,
 ``set_rates({i: mbit})``: an in-place ``tc class change``) and read back from
@@ -140,6 +157,7 @@ class Testbed:
         subnet: str = "10.77.0.0/24",
         congctl: str = "cubic",
         rates: dict[int, float] | None = None,
+        fair: bool = True,
     ):
         net = ipaddress.ip_network(subnet)
         if hosts < 1 or hosts > net.num_addresses - 2:
@@ -157,6 +175,7 @@ class Testbed:
             self.rates[int(i)] = float(r)
         self.latency_ms = float(latency_ms)
         self.congctl = congctl
+        self.fair = bool(fair)
         self._net = net
         self.run_id = secrets.token_hex(3)
         self.switch_ns = f"{PREFIX}{self.run_id}-sw"
@@ -270,35 +289,59 @@ class Testbed:
         self._cap(i)
 
     @staticmethod
-    def _htb_class(mbit: float) -> list[str]:
-        """htb class parameters for a cap of ``mbit``: rate = ceil, and its bursts."""
-        rate_bps = mbit * 1e6
+    def _htb_class(mbit: float, ceil_mbit: float | None = None) -> list[str]:
+        """htb class parameters for a cap of ``mbit`` (ceil ``ceil_mbit``, else the
+        same), with bursts and quantum sized from the ceil."""
+        ceil_bps = (ceil_mbit or mbit) * 1e6
         # Burst: 1 ms at rate, but at least two 64 KiB GSO segments (veth does
-        # GSO, so htb sees super-packets); quantum only matters between classes.
-        burst = max(int(rate_bps / 8 / 1000), 2 * 65536 + 2 * 1514)
+        # GSO, so htb sees super-packets); quantum: one burst, so that sibling
+        # classes share round-robin in equal turns.
+        burst = max(int(ceil_bps / 8 / 1000), 2 * 65536 + 2 * 1514)
         quantum = min(200000, max(1514, burst))
-        rate = f"{int(rate_bps)}bit"
-        return ["htb", "rate", rate, "ceil", rate, "burst", str(burst), "cburst", str(burst),
-                "quantum", str(quantum)]
+        return ["htb", "rate", f"{int(mbit * 1e6)}bit", "ceil", f"{int(ceil_bps)}bit",
+                "burst", str(burst), "cburst", str(burst), "quantum", str(quantum)]
+
+    def _leaves(self, i: int) -> list[tuple[str, int | None]]:
+        """Host i's leaf classes under 1:1: (classid, destination host or None)."""
+        if not self.fair:
+            return [("1:10", None)]
+        return [("1:10", None)] + [(f"1:{0x100 + j:x}", j)
+                                   for j in range(self.hosts) if j != i]
+
+    def _shape(self, i: int, verb: str) -> None:
+        """Add (``verb="add"``) or change the classes of host i's cap."""
+        tc, r = ["tc", "-n", self.ns(i)], self.rate_of(i)
+        self._run([*tc, "class", verb, "dev", "eth0", "parent", "1:", "classid", "1:1",
+                   *self._htb_class(r)])
+        leaves = self._leaves(i)
+        for classid, _ in leaves:
+            self._run([*tc, "class", verb, "dev", "eth0", "parent", "1:1", "classid",
+                       classid, *self._htb_class(r / len(leaves), r)])
 
     def _cap(self, i: int) -> None:
         ns = self.ns(i)
         tc = ["tc", "-n", ns]
         self._run([*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb",
                    "default", "10"])
-        self._run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:10",
-                   *self._htb_class(self.rate_of(i))])
-        if self.latency_ms > 0:
-            cp = subprocess.run([*tc, "qdisc", "add", "dev", "eth0", "parent", "1:10",
-                                 "handle", "10:", "netem", "delay", f"{self.latency_ms}ms",
-                                 "limit", "10000"], capture_output=True, text=True)
-            if cp.returncode != 0:
-                raise NetemUnavailable(
-                    f"latency_ms={self.latency_ms} needs the netem qdisc, which is not "
-                    f"available on this kernel ({cp.stderr.strip()}); use latency_ms=0")
-        else:
-            self._run([*tc, "qdisc", "add", "dev", "eth0", "parent", "1:10", "handle",
-                       "10:", "pfifo", "limit", "1000"])
+        self._shape(i, "add")
+        for n, (classid, dest) in enumerate(self._leaves(i)):
+            handle = f"{0x10 + n:x}:"
+            if self.latency_ms > 0:
+                cp = subprocess.run([*tc, "qdisc", "add", "dev", "eth0", "parent", classid,
+                                     "handle", handle, "netem", "delay",
+                                     f"{self.latency_ms}ms", "limit", "10000"],
+                                    capture_output=True, text=True)
+                if cp.returncode != 0:
+                    raise NetemUnavailable(
+                        f"latency_ms={self.latency_ms} needs the netem qdisc, which is not "
+                        f"available on this kernel ({cp.stderr.strip()}); use latency_ms=0")
+            else:
+                self._run([*tc, "qdisc", "add", "dev", "eth0", "parent", classid, "handle",
+                           handle, "pfifo", "limit", "1000"])
+            if dest is not None:
+                self._run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol",
+                           "ip", "prio", "1", "u32", "match", "ip", "dst",
+                           f"{self.addr(dest)}/32", "flowid", classid])
 
     @staticmethod
     def _run(argv: list[str]) -> None:
@@ -317,8 +360,7 @@ class Testbed:
             self.rates.pop(i, None)
         else:
             self.rates[i] = float(mbit)
-        self._run(["tc", "-n", self.ns(i), "class", "change", "dev", "eth0", "parent", "1:",
-                   "classid", "1:10", *self._htb_class(self.rate_of(i))])
+        self._shape(i, "change")
 
     def set_rates(self, rates: dict[int, float]) -> None:
         """Give the hosts in ``rates`` those caps and every other host ``rate_mbit``."""
@@ -328,7 +370,7 @@ class Testbed:
                 self.set_rate(i, want)
 
     def class_rate(self, i: int) -> int:
-        """Host i's uplink cap as the kernel holds it (htb class 1:10 rate, bits/s).
+        """Host i's uplink cap as the kernel holds it (htb class 1:1 rate, bits/s).
 
         Parsed from ``tc -s class show`` text (this iproute2 has no JSON for classes).
         """
@@ -336,10 +378,10 @@ class Testbed:
                             capture_output=True, text=True)
         if cp.returncode != 0:
             raise TestbedError(f"tc class show in {self.ns(i)}: {cp.stderr.strip()}")
-        m = re.search(r"class htb 1:10 .*?\brate (\d+(?:\.\d+)?)([KMG]?)bit", cp.stdout)
+        m = re.search(r"class htb 1:1 .*?\brate (\d+(?:\.\d+)?)([KMG]?)bit", cp.stdout)
         if m:
             return round(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)])
-        raise TestbedError(f"no htb class 1:10 on {self.ns(i)} eth0")
+        raise TestbedError(f"no htb class 1:1 on {self.ns(i)} eth0")
 
     def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:
         """Start argv inside host i's namespace; teardown kills it by PID.
@@ -454,8 +496,16 @@ def cpu_busy(before, after) -> list[float]:
     return [(b1 - b0) / max(1, t1 - t0) for (b0, t0), (b1, t1) in zip(before, after)]
 
 
-def flows(tb: Testbed, pairs: list[tuple[int, int]], seconds: float, port: int) -> dict:
-    """Run one TCP flow per (src, dst) pair at once; return aggregate goodput."""
+def flows(tb: Testbed, pairs: list[tuple[int, int]], seconds: float, port: int,
+          stagger: float = 0.0) -> dict:
+    """Run one TCP flow per (src, dst) pair; return aggregate goodput.
+
+    With ``stagger`` > 0, flow k starts k * stagger seconds after the first and
+    all of them end together (flow k sends for seconds - k * stagger), so a late
+    flow's ``per_flow_mbit`` is what it got while sharing with the earlier ones.
+    """
+    if stagger * (len(pairs) - 1) >= seconds:
+        raise ValueError("stagger leaves a flow no time to send")
     py = sys.executable
     recvs = []
     for k, (_, dst) in enumerate(pairs):
@@ -466,9 +516,13 @@ def flows(tb: Testbed, pairs: list[tuple[int, int]], seconds: float, port: int) 
         recvs.append(r)
     tx0 = {src: tb.tx_bytes(src) for src, _ in pairs}
     cpu0 = cpu_times()
-    sends = [tb.popen(src, [py, FLOW_SCRIPT, "send", tb.addr(dst), str(port + k),
-                            str(seconds)], stdout=subprocess.PIPE, text=True)
-             for k, (src, dst) in enumerate(pairs)]
+    sends = []
+    for k, (src, dst) in enumerate(pairs):
+        if k and stagger:
+            time.sleep(stagger)
+        sends.append(tb.popen(src, [py, FLOW_SCRIPT, "send", tb.addr(dst), str(port + k),
+                                    str(seconds - k * stagger)],
+                              stdout=subprocess.PIPE, text=True))
     results = []
     for r in recvs:
         out, _ = r.communicate(timeout=seconds + 60)
