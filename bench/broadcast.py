@@ -90,7 +90,7 @@ def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str,
     failing once a third of the model has gone out.
     """
     try:
-        from p2pweights.manifest import DEFAULT_CHUNK_SIZE
+        from p2pweights.manifest import default_chunk_size
         from p2pweights.simulate import simulate
 
         uplink = rate_mbit * 1e6 / 8
@@ -102,7 +102,7 @@ def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str,
             kw["uplinks"] = [slow.get(h, rate_mbit) * 1e6 / 8 for h in range(1, n + 1)]
         if kill:
             kw["failures"] = [(1, 1 / 3)]
-        res = simulate(n, size, uplink, chunk or DEFAULT_CHUNK_SIZE, topology=plan, **kw)
+        res = simulate(n, size, uplink, chunk or default_chunk_size(size), topology=plan, **kw)
         return res.time_last / (size / uplink)
     except Exception:
         return None

@@ -22,7 +22,7 @@ from .errors import P2PError
 from .cache import STATE_DIR, DiskCache, copy_paths, marker_matches
 from .chunker import build
 from .modelcache import CacheTooSmall, ModelCache, describe_failure
-from .manifest import DEFAULT_CHUNK_SIZE, MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
+from .manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
 from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
 from .store import SourceStore, SpaceError, Store, StoreClosed, blob_backing
@@ -74,7 +74,7 @@ class Seeder:
     """A running seeder: serves the checkpoint at ``path`` and runs the tracker."""
 
     def __init__(self, path, *, port: int = DEFAULT_PORT, host: str = "0.0.0.0",
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, topology: str = DEFAULT_PLAN, hash: str = "xxh3_64",
+                 chunk_size: int | None = None, topology: str = DEFAULT_PLAN, hash: str = "xxh3_64",
                  advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
                  max_peers: int = 10_000, manifest: str | None = None, exclude=(),
                  s3_concurrency: int = 16, s3_range_size: int = 8 << 20, cache: ModelCache | None = None):
@@ -120,7 +120,7 @@ class Seeder:
                 self.store = Store(self.manifest, buffer)
             else:  # hash every chunk, reading each byte from storage once; the mapping serves the page cache
                 self.manifest, self.scanned, _ = scan(chunk_size, hash)
-                catalog.remember(path, self.manifest, self.exclude)
+                catalog.remember(path, self.manifest, self.exclude, chunk_size)
                 self.store = SourceStore.open(self.manifest, path)
             self.store.hold_all()
         self.scan_seconds = time.monotonic() - t0

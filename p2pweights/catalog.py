@@ -23,14 +23,14 @@ def _dir() -> str:
     return os.path.join(os.environ.get("P2PW_CACHE_DIR") or os.path.expanduser("~/.cache/p2pweights"), "manifests")
 
 
-def _key(path, chunk_size: int, hash: str, exclude=()) -> str:
+def _key(path, chunk_size: int | None, hash: str, exclude=()) -> str:
     stats = [(name, size, os.stat(full).st_mtime_ns) for name, full, size in checkpoint_files(path, exclude)]
     doc = [os.path.abspath(os.fspath(path)), chunk_size, hash, stats]
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
-def lookup(path, chunk_size: int, hash: str, exclude=()) -> Manifest | None:
-    """The manifest built earlier for exactly these files, or None."""
+def lookup(path, chunk_size: int | None, hash: str, exclude=()) -> Manifest | None:
+    """The manifest built earlier for exactly these files, or None (``chunk_size`` None: the default's)."""
     try:
         with open(os.path.join(_dir(), _key(path, chunk_size, hash, exclude) + ".json")) as f:
             return Manifest.from_json(f.read())
@@ -38,11 +38,12 @@ def lookup(path, chunk_size: int, hash: str, exclude=()) -> Manifest | None:
         return None
 
 
-def remember(path, manifest: Manifest, exclude=()) -> None:
-    """File ``manifest`` for ``path`` (best effort: a read-only home just means rescans)."""
+def remember(path, manifest: Manifest, exclude=(), chunk_size: int | None = -1) -> None:
+    """File ``manifest`` for ``path`` under the ``chunk_size`` it was asked with (None: the
+    default; unset: its own) (best effort: a read-only home just means rescans)."""
     try:
         os.makedirs(_dir(), exist_ok=True)
-        final = os.path.join(_dir(), _key(path, manifest.chunk_size, manifest.hash, exclude) + ".json")
+        final = os.path.join(_dir(), _key(path, manifest.chunk_size if chunk_size == -1 else chunk_size, manifest.hash, exclude) + ".json")
         write_text_atomically(final, manifest.to_json())
     except OSError:
         pass

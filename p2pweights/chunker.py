@@ -7,23 +7,24 @@ itself never reads blob bytes).
 from __future__ import annotations
 
 from . import formats
-from .manifest import DEFAULT_CHUNK_SIZE, Manifest, ManifestError, chunk_hasher
+from .manifest import Manifest, ManifestError, chunk_hasher, default_chunk_size
 from .source import BlobSource
 
 
-def build(path, chunk_size: int = DEFAULT_CHUNK_SIZE, hash: str = "xxh3_64", into=None, on_chunk=None,
+def build(path, chunk_size: int | None = None, hash: str = "xxh3_64", into=None, on_chunk=None,
           exclude=(), origin: dict | None = None, etags: dict | None = None):
     """Read checkpoint ``path`` once: (Manifest, bytes read from storage, the ``into`` buffer or None).
 
     Each chunk is read from storage exactly once; when ``into`` is given it is
     called with the blob's size and returns a writable buffer where the bytes
-    land, so a seeder keeps what it hashed.  ``on_chunk(index)`` is called
+    land, so a seeder keeps what it hashed.  ``chunk_size`` None: ``default_chunk_size`` of the blob.  ``on_chunk(index)`` is called
     after each chunk is hashed.  ``exclude``: globs of entries left out (see ``formats.scan``).
     ``origin`` and ``etags`` (file name -> etag) describe a Hugging Face snapshot (``hfcache.snapshot_of``).
     """
-    if chunk_size <= 0 or chunk_size % formats.ALIGN:
+    if chunk_size is not None and (chunk_size <= 0 or chunk_size % formats.ALIGN):
         raise ManifestError(f"chunk size must be a positive multiple of {formats.ALIGN}, got {chunk_size}")
     files, tensors, total = formats.layout(path, exclude)
+    chunk_size = chunk_size or default_chunk_size(total)
     for f in files:
         if etags and f["name"] in etags:
             f["etag"] = etags[f["name"]]

@@ -426,7 +426,7 @@ def s3_flags(p) -> None:
 
 def _seed_parser(sub) -> None:
     """``p2pw seed``'s arguments."""
-    from .manifest import DEFAULT_CHUNK_SIZE, HASH_NAMES
+    from .manifest import HASH_NAMES
 
     s = sub.add_parser("seed", help="serve a checkpoint (file or directory) and run the tracker")
     s.add_argument("path", help="checkpoint file or directory, s3://BUCKET/PREFIX (pip install 'p2pweights[s3]'), "
@@ -435,7 +435,8 @@ def _seed_parser(sub) -> None:
     s.add_argument("--port", type=int, default=7420)
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--advertise", help="address peers should use to reach this host (default: the one they used)")
-    s.add_argument("--chunk-size", type=size, default=DEFAULT_CHUNK_SIZE)
+    s.add_argument("--chunk-size", type=size, default=None,
+                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 128 chunks)")
     s.add_argument("--topology", default=None, metavar="PLAN",
                    help="the plan: forest:K (default forest:2: K interior-disjoint stripe trees, every peer "
                         "also pulls from partners), or binomial, chain, star, kary:K, striped:K, auto "
@@ -510,8 +511,6 @@ def _join_parser(sub) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .manifest import DEFAULT_CHUNK_SIZE
-
     ap = argparse.ArgumentParser(prog="p2pw", description="Broadcast model weights to many hosts over a peer tree.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every peer event")
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
@@ -549,7 +548,8 @@ def parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("manifest", help="print (or write) the manifest of a checkpoint")
     m.add_argument("path")
-    m.add_argument("--chunk-size", type=size, default=DEFAULT_CHUNK_SIZE)
+    m.add_argument("--chunk-size", type=size, default=None,
+                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 128 chunks)")
     m.add_argument("-o", "--output")
     s3_flags(m)
     m.add_argument("--exclude", action="append", default=[], metavar="GLOB",
@@ -564,7 +564,8 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="local broadcast of a generated model to N peer processes")
     d.add_argument("--peers", type=int, default=4)
     d.add_argument("--size-mb", type=float, default=256)
-    d.add_argument("--chunk-size", type=size, default=DEFAULT_CHUNK_SIZE)
+    d.add_argument("--chunk-size", type=size, default=None,
+                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 128 chunks)")
     d.add_argument("--workdir", help="keep the model and copies here (default: a temporary directory)")
     d.set_defaults(func=cmd_demo)
 

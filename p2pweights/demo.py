@@ -47,7 +47,7 @@ def bytes_on_disk(root: str) -> int:
     return total
 
 
-def run_demo(peers: int = 4, size_mb: float = 256, workdir: str | None = None, chunk_size: int = 4 << 20,
+def run_demo(peers: int = 4, size_mb: float = 256, workdir: str | None = None, chunk_size: int | None = None,
              timeout: float = 600) -> int:
     work = workdir or tempfile.mkdtemp(prefix="p2pw-demo-")
     os.makedirs(work, exist_ok=True)
@@ -64,7 +64,8 @@ def run_demo(peers: int = 4, size_mb: float = 256, workdir: str | None = None, c
             if os.path.exists(p):
                 os.remove(p)
         seeder = subprocess.Popen(p2pw_argv("seed", model, "--port", "0", "--host", "127.0.0.1",
-                                            "--chunk-size", str(chunk_size), "--ready", ready,
+                                            *(["--chunk-size", str(chunk_size)] if chunk_size else []),
+                                            "--ready", ready,
                                             "--report", seed_report, "--exit-after", str(peers)),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(seeder)

@@ -22,12 +22,26 @@ from .errors import UserError
 
 VERSION = 1
 DEFAULT_CHUNK_SIZE = 4 << 20  # measured: see README "Choosing the chunk size"
+SMALLEST_DEFAULT_CHUNK = 1 << 20
+MIN_CHUNKS = 128  # a default chunk is halved (down to 1 MiB) until the blob has this many
 HASHES = {"xxh3_64": lambda b: xxhash.xxh3_64_hexdigest(b)}
 STRONG_HASHES = ("sha256", "blake2b", "blake3")  # collision-resistant: stop a peer that forges chunks on purpose
 HASH_NAMES = ("xxh3_64", *STRONG_HASHES)
 MAX_CHUNK_SIZE = 256 << 20  # a joiner refuses larger chunks (one chunk is one message and one buffer)
 MAX_MANIFEST_BYTES = 256 << 20  # largest manifest a joiner accepts (about 1M chunks with tensor index)
 MIN_MODEL_ID = 16  # hex digits of a pinned model id (64 bits); fewer pins next to nothing
+
+
+def default_chunk_size(total: int) -> int:
+    """The chunk size a seeder uses unless told: ``DEFAULT_CHUNK_SIZE``, halved down to
+    ``SMALLEST_DEFAULT_CHUNK`` while the blob of ``total`` bytes has fewer than ``MIN_CHUNKS``.
+
+    A tree pays about its depth in chunk-times to fill and to drain, so a small
+    checkpoint is cut finer; anything of 512 MiB or more keeps 4 MiB."""
+    size = DEFAULT_CHUNK_SIZE
+    while size > SMALLEST_DEFAULT_CHUNK and -(-total // size) < MIN_CHUNKS:
+        size //= 2
+    return size
 
 
 class ManifestError(UserError, ValueError):

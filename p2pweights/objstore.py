@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import formats
-from .manifest import Manifest, ManifestError, chunk_hasher, file_segments
+from .manifest import Manifest, ManifestError, chunk_hasher, default_chunk_size, file_segments
 from .source import SourceError
 
 log = logging.getLogger("p2pw")
@@ -417,10 +417,12 @@ class S3Checkpoint:
                                     f"(p2pw manifest {self.url} -o {label})")
         return manifest
 
-    def build(self, chunk_size: int = 4 << 20, hash: str = "xxh3_64", into=None):
+    def build(self, chunk_size: int | None = None, hash: str = "xxh3_64", into=None):
         """Read the blob once, in parallel: (Manifest with each file's ETag, bytes read, the ``into`` buffer or None).
 
-        As ``chunker.build``: ``into(size)`` returns the buffer where the bytes stay (a seeder's store)."""
+        As ``chunker.build``: ``into(size)`` returns the buffer where the bytes stay (a seeder's store);
+        ``chunk_size`` None: ``default_chunk_size`` of the blob."""
+        chunk_size = chunk_size or default_chunk_size(self.total)
         if chunk_size <= 0 or chunk_size % formats.ALIGN:
             raise ManifestError(f"chunk size must be a positive multiple of {formats.ALIGN}, got {chunk_size}")
         digest = chunk_hasher(hash)

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from p2pweights.chunker import build
-from p2pweights.manifest import Manifest, ManifestError, file_segments
+from p2pweights.manifest import Manifest, ManifestError, default_chunk_size, file_segments
 from p2pweights.source import BlobSource, verify_copy
 
 CHUNK = 64 << 10
@@ -106,3 +106,20 @@ def test_bad_chunk_size(tmp_path):
     p.write_bytes(b"x")
     with pytest.raises(ManifestError, match="multiple of 4096"):
         build(p, 1000)
+
+
+def test_default_chunk_size_keeps_small_checkpoints_at_128_chunks_or_more():
+    MiB = 1 << 20
+    assert default_chunk_size(140 << 30) == 4 * MiB
+    assert default_chunk_size(512 * MiB) == 4 * MiB          # 128 chunks of 4 MiB
+    assert default_chunk_size(508 * MiB) == 2 * MiB          # 127 chunks of 4 MiB
+    assert default_chunk_size(268211885) == 2 * MiB          # the 256 MiB bench checkpoint: 128 chunks
+    assert default_chunk_size(100 * MiB) == 1 * MiB          # never below 1 MiB
+    assert default_chunk_size(3) == 1 * MiB
+
+
+def test_build_without_a_chunk_size_takes_the_default_for_its_size(tmp_path):
+    p = tmp_path / "w.bin"
+    p.write_bytes(os.urandom(3 << 20))
+    m, _, _ = build(p)
+    assert m.chunk_size == 1 << 20 and m.n_chunks == 3
