@@ -240,6 +240,11 @@ class Handlers:
         kind = event.type
         if kind == Msg.ATTACH:
             self.on_attach(ident, event.fields)
+        elif kind == Msg.REQUEST and not n.serve.attached(ident):
+            # it attached, then a send to it found its connection gone (``forget``): what it asked
+            # before that is still in our queue, or it reconnected; not a bad message
+            log.info("%s: a request on a connection dropped earlier; telling it to attach again", self._who(ident))
+            n._send(ident, protocol.control(Msg.ERROR, message="not attached (the connection dropped): attach again"))
         elif kind == Msg.REQUEST:
             for index in n.serve.request(ident, event.indices):
                 if n.reader is not None:

@@ -25,3 +25,39 @@ def test_quiet_strangers_are_forgotten_children_are_not():
     finally:
         node._close_sockets()
         ctx.term()
+
+
+def test_a_request_on_a_dropped_childs_connection_is_answered_not_counted_as_bad():
+    from p2pweights import protocol
+    from p2pweights.handlers import Handlers
+    from p2pweights.protocol import Msg
+
+    m = Manifest(total_size=8192, chunk_size=4096, chunks=["0" * 16, "0" * 16])
+    ctx = zmq.Context()
+    router, port = bind_router(ctx, "127.0.0.1", 0)
+    node = Node(ctx, router, m, Store(m), peer_id="t")
+    handlers = Handlers(node)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+
+        def deliver(frame: bytes) -> bytes:
+            dealer.send(frame)
+            assert router.poll(5000)
+            handlers.on_router(router)
+            return next(iter(node.conns)) if len(node.conns) == 1 else None
+
+        ident = deliver(protocol.control(Msg.ATTACH, peer_id="c", rank=1, model_id=m.model_id))
+        assert dealer.poll(5000) and protocol.decode(dealer.recv_multipart()).type == Msg.ATTACHED
+        node.forget(ident)  # as when a send to it found no connection (EHOSTUNREACH)
+        deliver(protocol.request([0]))
+        assert dealer.poll(5000)
+        reply = protocol.decode(dealer.recv_multipart())
+        assert reply.type == Msg.ERROR and not reply.fields.get("fatal")
+        assert "attach again" in reply.fields["message"]
+        assert node.bad == {} and node.stats.malformed == 0
+    finally:
+        dealer.close()
+        node._close_sockets()
+        ctx.term()
