@@ -15,8 +15,10 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
    is, in index order, up to ``PARK_AHEAD`` asked before the source holds them
    (it parks them and forwards each the moment it is verified, so a tree
    pipelines); a stripe whose planned source is gone (or that has none: every
-   slot is taken) is shared by the partners that hold it, and by the seeder
-   what no partner holds.  A peer more than two windows behind what its
+   slot is taken) is shared by the partners that hold it, in random order and
+   at most ``SHARE_WINDOW`` each from partners that plan nothing for us (else
+   the first partner listed carried it all), and by the seeder what no
+   partner holds.  A peer more than two windows behind what its
    (non-seeder) source holds takes the rarest of the lowest candidates first,
    ties broken at random, so siblings catching up on one source take
    different chunks and can give each other the rest;
@@ -51,6 +53,7 @@ RATE_WEIGHT = 0.25  # weight of the newest sample in a link's rate average
 LAG_CHUNKS = 8  # a planned source lacking more than this (or 2 windows) of what partners hold is lagging
 SLOW_LINK = 0.3  # a planned source delivering below this share of the other links' median is slow
 HELP_WINDOW = 2  # requests a helping (non-planned) link carries at once
+SHARE_WINDOW = 3  # requests for orphaned stripes a partner that plans none of ours carries at once
 RAREST_AMONG = 16  # help picks the rarest of this many lowest candidates
 STALL_MIN = 2.0  # seconds: no request is called stalled sooner
 STALL_MAX = 10.0  # seconds: a request is called stalled after this long whatever the rate says
@@ -260,16 +263,20 @@ class PullScheduler:
         any_orphaned = bool(orphaned.any())
         spread = sum(lk.ready and lk.rank != SEEDER for lk in self.links.values()) > 1  # catching up on a
         #   backlog with partners around: rarest first, ties apart, so what we take we can give them
-        for lk in sorted(ready, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
+        order = self.rng.sample(ready, len(ready)) if any_orphaned else ready  # sharing: requesters spread
+        for lk in sorted(order, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
+            k = lk.free()
+            planned = self._planned_mask(lk.rank)
             if lk.rank == SEEDER:
                 mine = self._seeder_share(orphaned, peers_hold)
             else:
                 mine = orphaned & lk.holds if any_orphaned else None
-            mask = self._planned_mask(lk.rank)
-            mask = mine if mask is None else mask if mine is None else mask | mine
+                if planned is None and mine is not None:  # it only shares: a few at a time
+                    k = min(k, SHARE_WINDOW - sum(1 for i in lk.outstanding if i not in lk.helping))
+            mask = mine if planned is None else planned if mine is None else planned | mine
             if mask is not None:
                 behind = 2 * lk.window if spread and lk.rank != SEEDER else None
-                self._ask(lk, self._pick(lk, mask, lk.free(), park=PARK_AHEAD, spread_over=behind), out)
+                self._ask(lk, self._pick(lk, mask, k, park=PARK_AHEAD, spread_over=behind), out)
         lagging &= ~orphaned
         if lagging.any():  # 3. a stripe whose planned source lags: partners help, a few chunks each
             budget = HELP_WINDOW * max(1, len(set(self.plan))) - sum(

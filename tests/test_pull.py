@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from p2pweights.pull import HELP_WINDOW, MAX_WINDOW, MIN_WINDOW, RAREST_AMONG, PullScheduler
+from p2pweights.pull import HELP_WINDOW, MAX_WINDOW, MIN_WINDOW, RAREST_AMONG, SHARE_WINDOW, PullScheduler
 
 CHUNK = 1 << 20
 
@@ -117,6 +117,18 @@ def test_a_dead_planned_source_gives_its_requests_back_at_once():
     assert s.drop(1) == [0, 1, 2, 3]
     got = asked(s)
     assert got[2][:2] == [0, 1]  # asked elsewhere at once, lowest first
+
+
+def test_a_stripe_without_a_source_is_shared_by_every_holder_a_few_chunks_each():
+    # no slot for us in the stripe: its holders share it, not the first partner listed alone
+    s, clock = sched(n=32, plan=(None,), window=8, links={r: "1" * 32 for r in (1, 2, 3)})
+    got = asked(s)
+    assert sorted(got) == [1, 2, 3] and all(len(v) == SHARE_WINDOW for v in got.values())
+    picked = [i for v in got.values() for i in v]
+    assert len(set(picked)) == 3 * SHARE_WINDOW and max(picked) < RAREST_AMONG + len(picked)  # none twice, near blob order
+    clock.t = 0.1
+    s.arrived(2, got[2][0], ok=True)
+    assert {r: len(v) for r, v in asked(s).items()} == {2: 1}  # the credit back where it came from
 
 
 def test_seeder_helps_only_an_orphaned_stripe():
