@@ -279,17 +279,7 @@ class PullScheduler:
                 self._ask(lk, self._pick(lk, mask, k, park=PARK_AHEAD, spread_over=behind), out)
         lagging &= ~orphaned
         if lagging.any():  # 3. a stripe whose planned source lags: partners help, a few chunks each
-            budget = HELP_WINDOW * max(1, len(set(self.plan))) - sum(
-                1 for lk in self.links.values() for i in lk.outstanding if i in lk.helping)
-            for lk in self.rng.sample(ready, len(ready)):  # not fastest first: every peer would pick the same
-                if lk.rank == SEEDER or budget <= 0:
-                    continue
-                helping = sum(1 for i in lk.outstanding if i in lk.helping)
-                chunks = self._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping, budget),
-                                    rarest=True)
-                lk.helping.update(chunks)
-                budget -= len(chunks)
-                self._ask(lk, chunks, out)
+            _help(self, ready, lagging, out)
         if not self._wanted().any() and not self.have.all():  # 4. endgame: a second holder
             _endgame(self, ready, out)
         return list(out.items())
@@ -297,32 +287,7 @@ class PullScheduler:
     def stalled(self) -> list[tuple[int, list[int]]]:
         """Requests outstanding far longer than their link's rate explains: given back to ask
         elsewhere (and to CANCEL there).  Returns them per link, for the log."""
-        now = self.clock()
-        out = []
-        if (self.inflight.any() and not self._wanted().any()) or np.isfinite(self.orphan_at).any():
-            self.dirty = True  # the endgame and the seeder's patience depend on time: look again
-        typical = None
-        for lk in self.links.values():
-            if not lk.outstanding:
-                continue
-            if not lk.rate and typical is None:
-                typical = self._typical_rate()
-            rate = lk.rate or typical
-            bound = STALL_MAX if rate <= 0 else \
-                min(STALL_MAX, max(STALL_MIN, STALL_WINDOWS * lk.window * self.chunk_size / rate))
-            if not lk.outstanding or now - lk.last_arrival <= bound:
-                continue  # it delivers: a long queue at a busy partner is not a stall
-            late = [i for i, t in lk.outstanding.items()
-                    if now - t > bound and (lk.holds is not None and lk.holds[i])]
-            if late:
-                for i in late:
-                    del lk.outstanding[i]
-                    self._unask(i, lk.rank)
-                lk.rate /= 2
-                self.dirty = True
-                self._withdraw(lk, sorted(late))
-                out.append((lk.rank, sorted(late)))
-        return out
+        return _stalled(self)
 
     def waiting_for(self) -> list[int]:
         """Missing chunks no live partner holds (what a peer with no source left waits for)."""
@@ -416,6 +381,52 @@ class PullScheduler:
             if not ranks:
                 del self.asked[index]
                 self.inflight[index] = False
+
+
+def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
+    """``PullScheduler.stalled``: for each link whose requests wait far longer than its rate
+    explains, give them back (and CANCEL them there)."""
+    now = sched.clock()
+    out = []
+    if (sched.inflight.any() and not sched._wanted().any()) or np.isfinite(sched.orphan_at).any():
+        sched.dirty = True  # the endgame and the seeder's patience depend on time: look again
+    typical = None
+    for lk in sched.links.values():
+        if not lk.outstanding:
+            continue
+        if not lk.rate and typical is None:
+            typical = sched._typical_rate()
+        rate = lk.rate or typical
+        bound = STALL_MAX if rate <= 0 else \
+            min(STALL_MAX, max(STALL_MIN, STALL_WINDOWS * lk.window * sched.chunk_size / rate))
+        if not lk.outstanding or now - lk.last_arrival <= bound:
+            continue  # it delivers: a long queue at a busy partner is not a stall
+        late = [i for i, t in lk.outstanding.items()
+                if now - t > bound and (lk.holds is not None and lk.holds[i])]
+        if late:
+            for i in late:
+                del lk.outstanding[i]
+                sched._unask(i, lk.rank)
+            lk.rate /= 2
+            sched.dirty = True
+            sched._withdraw(lk, sorted(late))
+            out.append((lk.rank, sorted(late)))
+    return out
+
+
+def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, out: dict) -> None:
+    """Step 3 of ``requests``: partners (in random order: fastest first, every peer would pick the
+    same) each take a few of the lagging stripes' chunks, rarest first, within the help budget."""
+    budget = HELP_WINDOW * max(1, len(set(sched.plan))) - sum(
+        1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
+    for lk in sched.rng.sample(ready, len(ready)):
+        if lk.rank == SEEDER or budget <= 0:
+            continue
+        helping = sum(1 for i in lk.outstanding if i in lk.helping)
+        chunks = sched._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping, budget), rarest=True)
+        lk.helping.update(chunks)
+        budget -= len(chunks)
+        sched._ask(lk, chunks, out)
 
 
 def _help_mask(sched: PullScheduler, peers_hold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
