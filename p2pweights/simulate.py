@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import topology as _topo
-from .tracker import SLOW_FRACTION
+from .endpoint import REVIEW_INTERVAL
+from .tracker import SLOW_EVIDENCE, SLOW_FRACTION
 
 DEFAULT_BUDGET = 200_000  # simulated chunk deliveries before coarsening
 
@@ -173,25 +174,40 @@ def plan_table(topo, nodes: int, uplinks) -> list[list[int]]:
 
 
 def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, budget, t0) -> Result:
-    """Heterogeneous uplinks under the swarm: the plan sets the pipeline fill, partners balance the bulk.
+    """Heterogeneous uplinks under the swarm: the plan sets the pipeline fill, the slots the bulk.
 
     The fill is what the forest of this fleet costs over S / B with equal
-    uplinks (the discrete-event model above).  The bulk is fluid: peers that
-    lag behind an overloaded or slow source take chunks from partners with
-    spare uplink (the pull scheduler's help), so the N copies flow over every
-    uplink at once: max(S / r_seeder, (N - 1) S / sum of the peers' uplinks),
-    the seeder sending each chunk once.  (The tracker's demotion keeps slow
-    hosts out of the pipeline, so they do not add fill.)"""
+    uplinks (the discrete-event model above).  The bulk is the longest of
+    three: the seeder sending each chunk once (S / r_seeder); every uplink
+    working at once (fluid: (N - 1) S over the peers' uplinks); and the
+    busiest forwarder.  The tracker demotes hosts below ``SLOW_FRACTION`` of
+    the median to leaves, which takes their slots away: with F forwarders of
+    k slots each and the seeder's one per stripe, k (N - 1 - F) (peer, stripe)
+    pairs have no planned source, and their partners share those stripes, so
+    each forwarder carries its own copy and 1/F of theirs (what the demoted
+    hosts serve as help is left out: measured 0.1-0.25 S each).  On top, each
+    slow host forwards until it is demoted: its first chunk to its k children
+    at its own rate, then ``SLOW_EVIDENCE`` reviews; the uplink the fleet
+    missed meanwhile is made up by the forwarders."""
     median = float(np.median(rate[1:]))
     even = simulate(nodes, size, median / efficiency, chunk, topo.name, latency, window, efficiency, budget)
     fill = even.time_per_peer - size / median
-    bulk = max(size / rate[0], (nodes - 1) * size / float(rate[1:].sum()))
-    times = fill + bulk
+    slow = rate[1:] < SLOW_FRACTION * median
+    fast = rate[1:][~slow]
+    k, n_fast = topo.stripes, int(fast.size)
+    unplaced = k * max(0, nodes - 1 - n_fast)
+    busiest = (size + unplaced * size / k / max(1, n_fast)) / float(np.median(fast)) if n_fast else 0.0
+    bulk = max(size / rate[0], (nodes - 1) * size / float(rate[1:].sum()), busiest)
+    detect = [k * chunk / r + SLOW_EVIDENCE * REVIEW_INTERVAL for r in rate[1:][slow]]
+    missed = sum(d * (median - r) for d, r in zip(detect, rate[1:][slow]))
+    delay = missed / float(fast.sum()) if n_fast else 0.0
+    times = fill + bulk + delay
     t_last = float(times.max())
     return Result(time_last=t_last, time_per_peer=times, seeder_tx_bytes=float(size), floor=size / uplink,
                   ratio=t_last / (size / uplink), topology=topo.name, nodes=nodes, size=size, chunk=chunk,
                   stripes=topo.stripes, depth=even.depth, coarsened=even.coarsened,
-                  cpu_s=_time.process_time() - t0, extra={"fill": float(fill.max()), "bulk": bulk})
+                  cpu_s=_time.process_time() - t0,
+                  extra={"fill": float(fill.max()), "bulk": float(bulk), "unplaced": unplaced, "detection": float(delay)})
 
 
 def _with_failures(nodes, size, uplink, chunk, topo, rate, latency, window, budget, dead, t0) -> Result:
