@@ -38,12 +38,12 @@ def lookup(path, chunk_size: int | None, hash: str, exclude=()) -> Manifest | No
         return None
 
 
-def remember(path, manifest: Manifest, exclude=(), chunk_size: int | None = -1) -> None:
-    """File ``manifest`` for ``path`` under the ``chunk_size`` it was asked with (None: the
-    default; unset: its own) (best effort: a read-only home just means rescans)."""
+def remember(path, manifest: Manifest, exclude=(), chunk_size: int | None = None) -> None:
+    """File ``manifest`` for ``path``, found again by ``lookup`` with the same ``chunk_size`` (None:
+    it was built with the default's) (best effort: a read-only home just means rescans)."""
     try:
         os.makedirs(_dir(), exist_ok=True)
-        final = os.path.join(_dir(), _key(path, manifest.chunk_size if chunk_size == -1 else chunk_size, manifest.hash, exclude) + ".json")
+        final = os.path.join(_dir(), _key(path, chunk_size, manifest.hash, exclude) + ".json")
         write_text_atomically(final, manifest.to_json())
     except OSError:
         pass

@@ -17,8 +17,8 @@ def build(path, chunk_size: int | None = None, hash: str = "xxh3_64", into=None,
 
     Each chunk is read from storage exactly once; when ``into`` is given it is
     called with the blob's size and returns a writable buffer where the bytes
-    land, so a seeder keeps what it hashed.  ``chunk_size`` None: ``default_chunk_size`` of the blob.  ``on_chunk(index)`` is called
-    after each chunk is hashed.  ``exclude``: globs of entries left out (see ``formats.scan``).
+    land, so a seeder keeps what it hashed.  ``chunk_size`` None: ``default_chunk_size``
+    of the blob.  ``on_chunk(index)`` is called after each chunk is hashed.  ``exclude``: globs of entries left out (see ``formats.scan``).
     ``origin`` and ``etags`` (file name -> etag) describe a Hugging Face snapshot (``hfcache.snapshot_of``).
     """
     if chunk_size is not None and (chunk_size <= 0 or chunk_size % formats.ALIGN):
