@@ -7,7 +7,7 @@ itself never reads blob bytes).
 from __future__ import annotations
 
 from . import formats
-from .manifest import Manifest, ManifestError, chunk_hasher, default_chunk_size
+from .manifest import Manifest, chunk_hasher, chunk_size_for
 from .source import BlobSource
 
 
@@ -21,10 +21,8 @@ def build(path, chunk_size: int | None = None, hash: str = "xxh3_64", into=None,
     of the blob.  ``on_chunk(index)`` is called after each chunk is hashed.  ``exclude``: globs of entries left out (see ``formats.scan``).
     ``origin`` and ``etags`` (file name -> etag) describe a Hugging Face snapshot (``hfcache.snapshot_of``).
     """
-    if chunk_size is not None and (chunk_size <= 0 or chunk_size % formats.ALIGN):
-        raise ManifestError(f"chunk size must be a positive multiple of {formats.ALIGN}, got {chunk_size}")
     files, tensors, total = formats.layout(path, exclude)
-    chunk_size = chunk_size or default_chunk_size(total)
+    chunk_size = chunk_size_for(chunk_size, total)
     for f in files:
         if etags and f["name"] in etags:
             f["etag"] = etags[f["name"]]

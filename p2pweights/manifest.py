@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 from .errors import UserError
+from .formats import ALIGN
 
 VERSION = 1
 DEFAULT_CHUNK_SIZE = 4 << 20  # measured: see README "Choosing the chunk size"
@@ -42,6 +43,16 @@ def default_chunk_size(total: int) -> int:
     while size > SMALLEST_DEFAULT_CHUNK and -(-total // size) < MIN_CHUNKS:
         size //= 2
     return size
+
+
+def chunk_size_for(asked: int | None, total: int) -> int:
+    """The chunk size to cut a blob of ``total`` bytes with: ``asked`` (a positive multiple of
+    ``formats.ALIGN``, else ManifestError), or the default for its size when None."""
+    if asked is None:
+        return default_chunk_size(total)
+    if asked <= 0 or asked % ALIGN:
+        raise ManifestError(f"chunk size must be a positive multiple of {ALIGN}, got {asked}")
+    return asked
 
 
 class ManifestError(UserError, ValueError):

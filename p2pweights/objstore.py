@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import formats
-from .manifest import Manifest, ManifestError, chunk_hasher, default_chunk_size, file_segments
+from .manifest import Manifest, chunk_hasher, chunk_size_for, file_segments
 from .source import SourceError
 
 log = logging.getLogger("p2pw")
@@ -422,9 +422,7 @@ class S3Checkpoint:
 
         As ``chunker.build``: ``into(size)`` returns the buffer where the bytes stay (a seeder's store);
         ``chunk_size`` None: ``default_chunk_size`` of the blob."""
-        chunk_size = chunk_size or default_chunk_size(self.total)
-        if chunk_size <= 0 or chunk_size % formats.ALIGN:
-            raise ManifestError(f"chunk size must be a positive multiple of {formats.ALIGN}, got {chunk_size}")
+        chunk_size = chunk_size_for(chunk_size, self.total)
         digest = chunk_hasher(hash)
         source = self.source()
         buffer = into(self.total) if into is not None else None

@@ -415,8 +415,8 @@ def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
 
 
 def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, out: dict) -> None:
-    """Step 3 of ``requests``: partners (in random order: fastest first, every peer would pick the
-    same) each take a few of the lagging stripes' chunks, rarest first, within the help budget."""
+    """Step 3 of ``requests``: partners, in random order (not fastest first: every peer would pick
+    the same one), each take a few of the lagging stripes' chunks, rarest first, within the budget."""
     budget = HELP_WINDOW * max(1, len(set(sched.plan))) - sum(
         1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
     for lk in sched.rng.sample(ready, len(ready)):
