@@ -25,7 +25,9 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
 3. help: chunks of a stripe whose planned source lags behind what
    the other partners hold (``LAG_CHUNKS``), is much slower than the other
    links (``SLOW_LINK``), or holds more than two windows we lack, taken from
-   partners that hold them (in random order, so requesters spread), rarest
+   partners that hold them (in random order, so requesters spread, but those
+   whose uplink feeds fewest peers through its children first: ``downstream``,
+   from the tracker; help from a stripe's root slows its whole tree), rarest
    first among the lowest candidates, at most ``HELP_WINDOW`` per helping
    link and per planned source in all, so help never crowds out a partner's
    own children;
@@ -110,6 +112,7 @@ class PullScheduler:
         self.holders = np.zeros(n_chunks, np.int32)  # ready links holding each chunk
         self._avail = np.zeros(n_chunks, bool)  # during ``requests``: what a pick may still take
         self.links: dict[int, Link] = {}
+        self.downstream: dict[int, int] = {}  # rank -> peers its uplink feeds through its children
         self.plan: list[int | None] = [None] * stripes
         self.set_stripes(stripes)
         self.cancels: dict[int, list[int]] = {}  # rank -> chunks to CANCEL there (see take_cancels)
@@ -184,6 +187,12 @@ class PullScheduler:
             if moved:
                 self._withdraw(lk, moved)
         self.plan = list(plan)
+
+    def set_downstream(self, downstream: dict[int, int]) -> None:
+        """How many peers each partner's uplink feeds beyond its own children (the tracker's word):
+        sharing and help ask those that feed fewest first (unknown counts as none)."""
+        self.dirty = True
+        self.downstream = dict(downstream)
 
     # ----- chunks ------------------------------------------------------------
 
@@ -263,7 +272,7 @@ class PullScheduler:
         any_orphaned = bool(orphaned.any())
         spread = sum(lk.ready and lk.rank != SEEDER for lk in self.links.values()) > 1  # catching up on a
         #   backlog with partners around: rarest first, ties apart, so what we take we can give them
-        order = self.rng.sample(ready, len(ready)) if any_orphaned else ready  # sharing: requesters spread
+        order = _cheapest_first(self, ready) if any_orphaned else ready  # sharing: requesters spread
         for lk in sorted(order, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
             k = lk.free()
             planned = self._planned_mask(lk.rank)
@@ -414,12 +423,18 @@ def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
     return out
 
 
+def _cheapest_first(sched: PullScheduler, links: list[Link]) -> list[Link]:
+    """``links`` in random order, then stably by ``downstream``: requesters spread over equals."""
+    return sorted(sched.rng.sample(links, len(links)), key=lambda lk: sched.downstream.get(lk.rank, 0))
+
+
 def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, out: dict) -> None:
     """Step 3 of ``requests``: partners, in random order (not fastest first: every peer would pick
-    the same one), each take a few of the lagging stripes' chunks, rarest first, within the budget."""
+    the same one) among those that feed equally many peers further down, fewest first, each take a
+    few of the lagging stripes' chunks, rarest first, within the budget."""
     budget = HELP_WINDOW * max(1, len(set(sched.plan))) - sum(
         1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
-    for lk in sched.rng.sample(ready, len(ready)):
+    for lk in _cheapest_first(sched, ready):
         if lk.rank == SEEDER or budget <= 0:
             continue
         helping = sum(1 for i in lk.outstanding if i in lk.helping)

@@ -179,7 +179,11 @@ class Forest:
     When a stripe has a peer no slot serves while another stripe has a slot
     free (a demotion leaves 7 forwarders in groups of 4 and 3), a forwarder
     with a free slot lends it to that stripe: it then forwards in two stripes,
-    still one copy in all (``lent``).
+    still one copy in all (``lent``).  Where no forwarder can lend, a demoted
+    host serves one such peer in that stripe (``spare``): a quarter-rate uplink
+    carries half a stripe, the peer's partners help with the rest, and the
+    demoted host's uplink is not left idle.  Only a leaf of that stripe is
+    placed under it, so a slow uplink never feeds a subtree.
     """
 
     def __init__(self, k: int = 2):
@@ -188,6 +192,7 @@ class Forest:
         self.group: dict[int, int | None] = {}  # rank -> stripe it is interior in (None: leaf everywhere)
         self.slots: dict[int, int] = {0: 1}  # rank -> child slots in its interior stripe
         self.lent: dict[int, int] = {}  # rank -> the stripe one of its slots serves (see the class doc)
+        self.spare: dict[int, int] = {}  # demoted rank -> the stripe in which it serves one leaf
         self.parent: list[dict[int, int]] = [{} for _ in range(self.k)]  # per stripe: rank -> parent
         self.kids: list[dict[int, set]] = [{0: set()} for _ in range(self.k)]
         self.depth: list[dict[int, int]] = [{0: 0} for _ in range(self.k)]
@@ -208,9 +213,17 @@ class Forest:
         slots, lent = self.slots.get(rank, 0), self.lent.get(rank)
         if rank == 0:
             return slots
+        if rank in self.spare:
+            return 1 if stripe == self.spare[rank] else 0
         if stripe == self.group.get(rank):
             return slots - (lent is not None)
         return 1 if stripe == lent else 0
+
+    def downstream(self, rank: int) -> int:
+        """Peers that get a stripe through ``rank``'s children (its descendants below them, in every
+        stripe): whom a slower uplink at ``rank`` holds back besides its own children."""
+        return sum(len(self._subtree(c, s)) for s in range(self.k) for c in self.kids[s].get(rank, ())) - \
+            sum(self.load(rank, s) for s in range(self.k))
 
     # ----- verbs -------------------------------------------------------------
 
@@ -241,6 +254,7 @@ class Forest:
                 moves.append(self._move(c, s))
         del self.group[rank], self.slots[rank]
         self.lent.pop(rank, None)
+        self.spare.pop(rank, None)
         return _unique(moves + self._balance_groups() + self._settle())
 
     def demote(self, rank: int) -> list[tuple[int, int]]:
@@ -249,8 +263,9 @@ class Forest:
         if g is None or rank not in self.group:
             return []
         self.group[rank], self.slots[rank] = None, 0
-        moves = [self._move(c, g) for c in sorted(self.kids[g][rank])] + self._unlend(rank)
-        return _unique(moves + self._balance_groups() + self._settle())
+        moves = [self._move(c, g) for c in sorted(self.kids[g][rank])]
+        moves += [m for r in sorted(self.lent) for m in self._unlend(r)]  # lent for the old shape:
+        return _unique(moves + self._balance_groups() + self._settle())  # lent again where now needed
 
     def _balance_groups(self) -> list[tuple[int, int]]:
         """Keep the groups' forwarder counts within one of each other (after a demotion or a
@@ -266,6 +281,8 @@ class Forest:
             moves.extend(self._unlend(r))
             self.group[r] = small
             moves.extend(self._move(c, big) for c in sorted(self.kids[big][r]))
+            if self.parent[small].get(r) in self.spare:  # a forwarder now: not under a slow uplink
+                moves.append(self._move(r, small))
 
     @classmethod
     def settled(cls, k: int, n: int, slots=None) -> list[list[int]]:
@@ -347,8 +364,8 @@ class Forest:
     def _best_parent(self, s: int, exclude: set) -> int | None:
         """The shallowest placed parent with a free slot in stripe ``s``; None when every slot is
         taken (nobody is overloaded: the uplinks are balanced, partners carry the rest)."""
-        cands = [r for r in self.kids[s] if r not in exclude and self.load(r, s) < self.capacity(r, s)
-                 and self.depth[s].get(r, UNPLACED) < UNPLACED]
+        cands = [r for r in self.kids[s] if r not in exclude and r not in self.spare
+                 and self.load(r, s) < self.capacity(r, s) and self.depth[s].get(r, UNPLACED) < UNPLACED]
         return min(cands, key=lambda r: (self.depth[s][r], r), default=None)
 
     def _settle(self) -> list[tuple[int, int]]:
@@ -359,14 +376,16 @@ class Forest:
         moves = []
         for s in range(self.k):
             for _ in range(4 * len(self.kids[s])):  # each step strictly improves; bound it anyway
-                step = self._swap_up(s) or self._unload(s) or self._place_unplaced(s) or self._lend(s)
+                step = self._swap_up(s) or self._unload(s) or self._place_unplaced(s) or self._lend(s) \
+                    or self._lend_spare(s)
                 if not step:
                     break
                 moves.extend(step)
         return _unique(moves)
 
     def _swap_up(self, s: int) -> list[tuple[int, int]]:
-        leaves = [r for r in self.kids[s] if r and not self.interior_in(r, s) and not self.kids[s][r]]
+        leaves = [r for r in self.kids[s] if r and not self.interior_in(r, s) and not self.kids[s][r]
+                  and self.parent[s].get(r) not in self.spare]  # a demoted host's slot takes no forwarder
         inner = [r for r in self.kids[s] if r and self.interior_in(r, s) and self.slots.get(r)]
         if not leaves or not inner:
             return []
@@ -383,9 +402,10 @@ class Forest:
         return [(deep, s), (leaf, s)]
 
     def _place_unplaced(self, s: int) -> list[tuple[int, int]]:
-        """A peer without a planned source in stripe ``s`` takes a slot that freed up."""
-        for r in sorted((r for r, p in self.parent[s].items() if p is None),
-                        key=lambda r: (not self.interior_in(r, s), r)):
+        """A peer without a planned source in stripe ``s`` (or under a demoted host's spare slot)
+        takes a forwarder's slot that freed up."""
+        for r in sorted((r for r, p in self.parent[s].items() if p is None or p in self.spare),
+                        key=lambda r: (self.parent[s][r] is not None, not self.interior_in(r, s), r)):
             dst = self._best_parent(s, exclude=self._subtree(r, s))
             if dst is not None:
                 return [self._move(r, s, to=dst)]
@@ -398,14 +418,33 @@ class Forest:
         if not unplaced:
             return []
         mine = self._subtree(unplaced[0], s)
+        spare = [sum(self.capacity(r, g) for r in self.kids[g]) - len(self.parent[g]) for g in range(self.k)]
         cands = [r for r, g in self.group.items()
-                 if g is not None and g != s and r not in self.lent and r not in mine and self.slots[r] >= 2
-                 and self.load(r, g) < self.capacity(r, g) and self.depth[s].get(r, UNPLACED) < UNPLACED]
+                 if g is not None and g != s and spare[g] > 0  # its own stripe keeps a slot per receiver
+                 and r not in self.lent and r not in mine and self.slots[r] >= 2
+                 and self.load(r, g) < self.capacity(r, g) and self.depth[s].get(r, UNPLACED) < UNPLACED
+                 and self.parent[s].get(r) not in self.spare]
         if not cands:
             return []
         r = min(cands, key=lambda r: (self.depth[s][r], r))
         self.lent[r] = s
         return [(r, s)]
+
+    def _lend_spare(self, s: int) -> list[tuple[int, int]]:
+        """A leaf of stripe ``s`` without a planned source goes under a demoted host with no child
+        (the shallowest in ``s``): its uplink is slow, but better than none in the plan."""
+        idle = [r for r, g in self.group.items() if g is None and self.slots[r] == 0
+                and not any(self.kids[x].get(r) for x in range(self.k))
+                and self.depth[s].get(r, UNPLACED) < UNPLACED and self.parent[s].get(r) not in self.spare]
+        leaf = min((r for r, p in self.parent[s].items()
+                    if p is None and not self.interior_in(r, s) and not self.kids[s][r]),
+                   key=lambda r: (r in idle, r), default=None)  # keep idle demoted hosts free to serve
+        idle = [r for r in idle if r != leaf]
+        if leaf is None or not idle:
+            return []
+        d = min(idle, key=lambda r: (self.depth[s][r], r))
+        self.spare[d] = s
+        return [self._move(leaf, s, to=d)]
 
     def _unlend(self, rank: int) -> list[tuple[int, int]]:
         """``rank`` takes its lent slot back; the child it served there is placed again."""
@@ -414,7 +453,7 @@ class Forest:
 
     def _unload(self, s: int) -> list[tuple[int, int]]:
         over = [r for r in self.kids[s] if self.load(r, s) > self.capacity(r, s)]
-        free = sorted((r for r in self.kids[s] if self.load(r, s) < self.capacity(r, s)),
+        free = sorted((r for r in self.kids[s] if r not in self.spare and self.load(r, s) < self.capacity(r, s)),
                       key=lambda r: (self.depth[s][r], r))
         for src in sorted(over, key=lambda r: (r != 0, r)):
             for child in sorted(self.kids[s][src], key=lambda c: (bool(self.kids[s][c]), -c)):

@@ -156,12 +156,18 @@ class Tracker:
         return [live_parent(self.topology, rank, s, alive) for s in range(self.topology.stripes)]
 
     def parent_addrs(self, member: Member) -> list[dict]:
-        return [{"rank": p, "addr": self.listen_of(p), "stripe": s} for s, p in enumerate(member.parents)
+        return [{"rank": p, "addr": self.listen_of(p), "stripe": s, **self._downstream(p)}
+                for s, p in enumerate(member.parents)
                 if p is not None]  # None: no planned source there (every slot taken): partners share it
 
     def partner_addrs(self, member: Member) -> list[dict]:
-        return [{"rank": p, "addr": self.listen_of(p)} for p in member.partners
+        """Partners, each with ``downstream`` (Forest plans): how many peers its uplink feeds through
+        its children, so help is asked first of partners whose uplink holds back nobody further."""
+        return [{"rank": p, "addr": self.listen_of(p), **self._downstream(p)} for p in member.partners
                 if p in self.members and not self.members[p].left]
+
+    def _downstream(self, rank: int) -> dict:
+        return {"downstream": self.topology.downstream(rank)} if self.placed and rank != ROOT else {}
 
     def done(self, rank: int, seconds: float | None = None) -> None:
         m = self._member(rank)
@@ -265,6 +271,7 @@ class Tracker:
             if m.slow_seen >= SLOW_EVIDENCE:
                 m.demoted = True
                 self._note(self.topology.demote(r))
+                self.moved.extend(m.partners)  # they learn it feeds nobody further now (``downstream``)
                 demoted.append(r)
         return demoted
 

@@ -150,7 +150,28 @@ def test_forest_demotion_lends_a_free_slot_so_every_peer_keeps_a_planned_source(
         assert sum(f.capacity(r, s) for s in range(2)) <= f.slots[r]
         assert all(f.load(r, s) <= f.capacity(r, s) for s in range(2))
     f.demote(lender)  # a lender that is demoted in turn gives the slot back, and its child moves
-    assert lender not in f.lent and not any(f.kids[s][lender] for s in range(2))
+    assert lender not in f.lent
+    assert all(f.kids[s][lender] <= ({*f.kids[s][lender]} if f.spare.get(lender) == s else set()) for s in range(2))
+
+
+def test_forest_a_demoted_host_serves_one_leaf_where_every_forwarder_slot_is_taken():
+    # 8 peers, 2 demoted: 6 forwarders (12 slots) and the seeder's 2 serve 14 of the 16 (peer, stripe)
+    # pairs.  Each demoted host's uplink then carries one leaf's stripe (partners help with the rest)
+    from p2pweights.topology import Forest
+
+    for demoted in ((1, 2), (1, 3), (7, 8), (2, 5)):
+        f = Forest(2)
+        for r in range(1, 9):
+            f.place(r)
+        for d in demoted:
+            f.demote(d)
+        unplaced = [(r, s) for s in range(2) for r in range(1, 9) if f.parent[s][r] is None]
+        served = [(c, s) for d, s in f.spare.items() for c in f.kids[s][d]]
+        assert len(served) == 2 and not unplaced, demoted
+        for c, s in served:
+            assert not f.interior_in(c, s) and not f.kids[s][c], demoted  # a leaf: no subtree below it
+            assert f.parent[s][f.parent[s][c]] not in f.spare, demoted  # and not fed by another slow host
+        assert sum(f.capacity(r, s) for r in range(1, 9) if r not in demoted for s in range(2)) == 12
 
 
 def test_forest_keeps_its_invariants_through_random_joins_demotions_and_departures():
@@ -173,7 +194,10 @@ def test_forest_keeps_its_invariants_through_random_joins_demotions_and_departur
                 f.remove(victim)
                 alive.discard(victim)
             for r in alive:
-                assert sum(f.capacity(r, s) for s in range(k)) <= f.slots[r], trial
+                assert sum(f.capacity(r, s) for s in range(k)) <= max(f.slots[r], r in f.spare), trial
+                for s in range(k):  # a demoted host feeds at most one leaf, never a subtree
+                    if r in f.spare:
+                        assert all(not f.interior_in(c, s) and not f.kids[s][c] for c in f.kids[s][r]), trial
                 for s in range(k):
                     assert f.load(r, s) <= f.capacity(r, s), trial
                     seen, p = set(), f.parent[s][r]
