@@ -169,7 +169,7 @@ def plan_table(topo, nodes: int, uplinks) -> list[list[int]]:
     if isinstance(topo, _topo.Forest):
         median = float(np.median(uplinks[1:])) if nodes else 1.0
         slots = [1] + [0 if u < SLOW_FRACTION * median else topo.k for u in uplinks[1:]]
-        return _topo.Forest.settled(topo.k, nodes, slots)
+        return _topo.settled_forest(topo.k, nodes, slots)
     return _topo.parent_table(topo, nodes, settled=True)  # the tracker's adoptions happen as peers join
 
 

@@ -284,37 +284,6 @@ class Forest:
             if self.parent[small].get(r) in self.spare:  # a forwarder now: not under a slow uplink
                 moves.append(self._move(r, small))
 
-    @classmethod
-    def settled(cls, k: int, n: int, slots=None) -> list[list[int]]:
-        """``table[s][r]``: the forest ranks 1..n settle into (what ``place`` / ``demote`` converge to).
-
-        Built directly, breadth first, in O(n k): in stripe s the forwarders of
-        group s take the shallowest free slots in rank order, then every other
-        peer does; once slots run out, forwarders take one more each in turn.
-        ``slots[r]`` (default k): child slots of rank r; 0 makes it a leaf.
-        ``p2pweights.simulate`` predicts the swarm on this table."""
-        slots = slots if slots is not None else [k] * (n + 1)
-        forwarders = [r for r in range(1, n + 1) if slots[r] > 0]
-        group = {r: i % k for i, r in enumerate(forwarders)}
-        table = [[-1] * (n + 1) for _ in range(k)]
-        for s in range(k):
-            inner = [r for r in forwarders if group[r] == s]
-            free = deque([(0, 1)])
-            extra = deque(inner or [0])
-            for r in inner + [r for r in range(1, n + 1) if group.get(r) != s]:
-                while free and free[0][1] == 0:
-                    free.popleft()
-                if free:
-                    p, left = free.popleft()
-                    free.appendleft((p, left - 1))
-                else:
-                    p = extra[0]
-                    extra.rotate(-1)
-                table[s][r] = p
-                if group.get(r) == s:
-                    free.append((r, slots[r]))
-        return table
-
     def move(self, rank: int, stripe: int, avoid: int) -> tuple[int, int]:
         """``rank`` gives up its parent ``avoid`` in ``stripe`` (bad chunks): the best other parent."""
         exclude = self._subtree(rank, stripe) | {avoid}
@@ -466,6 +435,37 @@ class Forest:
                     self._attach(child, s, None)
                     return [(child, s)]
         return []
+
+
+def settled_forest(k: int, n: int, slots=None) -> list[list[int]]:
+    """``table[s][r]``: the forest ranks 1..n settle into (what ``Forest.place`` / ``demote`` converge to).
+
+    Built directly, breadth first, in O(n k): in stripe s the forwarders of
+    group s take the shallowest free slots in rank order, then every other
+    peer does; once slots run out, forwarders take one more each in turn.
+    ``slots[r]`` (default k): child slots of rank r; 0 makes it a leaf.
+    ``p2pweights.simulate`` predicts the swarm on this table."""
+    slots = slots if slots is not None else [k] * (n + 1)
+    forwarders = [r for r in range(1, n + 1) if slots[r] > 0]
+    group = {r: i % k for i, r in enumerate(forwarders)}
+    table = [[-1] * (n + 1) for _ in range(k)]
+    for s in range(k):
+        inner = [r for r in forwarders if group[r] == s]
+        free = deque([(0, 1)])
+        extra = deque(inner or [0])
+        for r in inner + [r for r in range(1, n + 1) if group.get(r) != s]:
+            while free and free[0][1] == 0:
+                free.popleft()
+            if free:
+                p, left = free.popleft()
+                free.appendleft((p, left - 1))
+            else:
+                p = extra[0]
+                extra.rotate(-1)
+            table[s][r] = p
+            if group.get(r) == s:
+                free.append((r, slots[r]))
+    return table
 
 
 UNPLACED = 1 << 20  # the depth of a peer without a planned source in a stripe

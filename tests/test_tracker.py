@@ -116,10 +116,10 @@ def test_forest_slow_host_is_demoted_to_a_leaf_from_its_partners_reports():
 
 
 def test_forest_settled_table_matches_the_incremental_plan_in_shape():
-    from p2pweights.topology import Forest
+    from p2pweights.topology import settled_forest
 
     for n in (3, 8, 16, 33):
-        table = Forest.settled(2, n)
+        table = settled_forest(2, n)
         inc = forest_tracker(n).topology
         for s in range(2):
             assert sum(1 for r in range(1, n + 1) if table[s][r] == 0) == 1
