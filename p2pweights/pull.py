@@ -434,8 +434,9 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, out: dic
     few of the lagging stripes' chunks, rarest first, within the budget."""
     budget = HELP_WINDOW * max(1, len(set(sched.plan))) - sum(
         1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
+    cheapest = min((sched.downstream.get(lk.rank, 0) for lk in ready if lk.rank != SEEDER), default=0)
     for lk in _cheapest_first(sched, ready):
-        if lk.rank == SEEDER or budget <= 0:
+        if lk.rank == SEEDER or budget <= 0 or sched.downstream.get(lk.rank, 0) > cheapest:
             continue
         helping = sum(1 for i in lk.outstanding if i in lk.helping)
         chunks = sched._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping, budget), rarest=True)
