@@ -115,6 +115,24 @@ def test_forest_slow_host_is_demoted_to_a_leaf_from_its_partners_reports():
     assert t.slow_hosts() == []  # once
 
 
+def test_forest_partners_are_told_how_many_peers_each_one_feeds_further_down():
+    t = forest_tracker(8)
+    f = t.topology
+    root = next(iter(f.kids[0][0]))  # the seeder's child in stripe 0: the stripe flows through it
+    entries = {p["rank"]: p for r in t.members for p in t.partner_addrs(t.members[r]) + t.parent_addrs(t.members[r])}
+    deeper = [r for r in range(1, 9) if f.depth[0][r] >= 3]  # below its children, in its stripe
+    assert entries[root]["downstream"] == f.downstream(root) == len(deeper) >= 4
+    assert all(p["downstream"] >= 0 for p in entries.values() if p["rank"])
+    t.take_moved()
+    for m in t.members.values():
+        m.rates = {p: (10e6 if p == root else 40e6) for p in set(m.parents) | set(m.partners) if p}
+    for _ in range(3):
+        t.slow_hosts()
+    told = t.take_moved()
+    assert set(t.members[root].partners) <= set(told)  # they learn that it feeds nobody further now
+    assert f.downstream(root) == 0
+
+
 def test_forest_settled_table_matches_the_incremental_plan_in_shape():
     from p2pweights.topology import settled_forest
 
