@@ -76,6 +76,7 @@ class Link:
     n_chunks: int
     window: int = DEFAULT_WINDOW
     holds: np.ndarray | None = None  # None until its bitfield arrives
+    held: int = 0  # how many chunks it holds
     outstanding: dict[int, float] = field(default_factory=dict)  # chunk -> when asked
     rate: float = 0.0  # bytes/s while it had requests to serve
     last_arrival: float = 0.0
@@ -133,6 +134,7 @@ class PullScheduler:
         if link.holds is not None:
             self.holders -= link.holds
         link.holds = np.array(holds, dtype=bool)
+        link.held = int(link.holds.sum())
         self.holders += link.holds
 
     def has(self, rank: int, indices) -> None:
@@ -142,8 +144,9 @@ class PullScheduler:
         if link is None or link.holds is None:
             return
         idx = np.asarray(indices, dtype=np.int64)
-        new = idx[~link.holds[idx]]
+        new = np.unique(idx[~link.holds[idx]])
         link.holds[new] = True
+        link.held += int(new.size)
         np.add.at(self.holders, new, 1)
         now = self.clock()
         for i in new.tolist():  # parked there until now: its service starts now (for the rate)
@@ -189,8 +192,7 @@ class PullScheduler:
         self.plan = list(plan)
 
     def set_downstream(self, downstream: dict[int, int]) -> None:
-        """How many peers each partner's uplink feeds beyond its own children (the tracker's word):
-        sharing and help ask those that feed fewest first (unknown counts as none)."""
+        """Peers each partner's uplink feeds beyond its children (the tracker's; unknown: none)."""
         self.dirty = True
         self.downstream = dict(downstream)
 
@@ -272,7 +274,7 @@ class PullScheduler:
         any_orphaned = bool(orphaned.any())
         spread = sum(lk.ready and lk.rank != SEEDER for lk in self.links.values()) > 1  # catching up on a
         #   backlog with partners around: rarest first, ties apart, so what we take we can give them
-        order = _cheapest_first(self, ready) if any_orphaned else ready  # sharing: requesters spread
+        order, cheapest = (_cheapest_first(self, ready) if any_orphaned else ready), _cheapest(self)  # sharers spread
         for lk in sorted(order, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
             k = lk.free()
             planned = self._planned_mask(lk.rank)
@@ -280,8 +282,9 @@ class PullScheduler:
                 mine = self._seeder_share(orphaned, peers_hold)
             else:
                 mine = orphaned & lk.holds if any_orphaned else None
-                if planned is None and mine is not None:  # it only shares: a few at a time
-                    k = min(k, SHARE_WINDOW - sum(1 for i in lk.outstanding if i not in lk.helping))
+                if planned is None and mine is not None:  # it only shares: a few at a time, if cheapest
+                    k = 0 if _cost(self, lk) > cheapest else min(k, SHARE_WINDOW - sum(
+                        1 for i in lk.outstanding if i not in lk.helping))
             mask = mine if planned is None else planned if mine is None else planned | mine
             if mask is not None:
                 behind = 2 * lk.window if spread and lk.rank != SEEDER else None
@@ -424,8 +427,20 @@ def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
 
 
 def _cheapest_first(sched: PullScheduler, links: list[Link]) -> list[Link]:
-    """``links`` in random order, then stably by ``downstream``: requesters spread over equals."""
-    return sorted(sched.rng.sample(links, len(links)), key=lambda lk: sched.downstream.get(lk.rank, 0))
+    """``links`` in random order, then stably by ``_cost``: requesters spread over equals."""
+    return sorted(sched.rng.sample(links, len(links)), key=lambda lk: _cost(sched, lk))
+
+
+def _cost(sched: PullScheduler, lk: Link) -> int:
+    """What asking ``lk`` for help costs the fleet: the peers its uplink feeds beyond its children
+    (``downstream``), none once it holds every chunk (its children then keep up with it)."""
+    return 0 if lk.held >= sched.n else sched.downstream.get(lk.rank, 0)
+
+
+def _cheapest(sched: PullScheduler) -> int:
+    """The lowest ``_cost`` of an attached partner (the seeder aside): only partners that cheap help
+    or share, so no stripe's root gives its children's uplink away."""
+    return min((_cost(sched, lk) for lk in sched.links.values() if lk.ready and lk.rank != SEEDER), default=0)
 
 
 def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, out: dict) -> None:
@@ -434,9 +449,9 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, out: dic
     few of the lagging stripes' chunks, rarest first, within the budget."""
     budget = HELP_WINDOW * max(1, len(set(sched.plan))) - sum(
         1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
-    cheapest = min((sched.downstream.get(lk.rank, 0) for lk in ready if lk.rank != SEEDER), default=0)
+    cheapest = _cheapest(sched)
     for lk in _cheapest_first(sched, ready):
-        if lk.rank == SEEDER or budget <= 0 or sched.downstream.get(lk.rank, 0) > cheapest:
+        if lk.rank == SEEDER or budget <= 0 or _cost(sched, lk) > cheapest:
             continue
         helping = sum(1 for i in lk.outstanding if i in lk.helping)
         chunks = sched._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping, budget), rarest=True)

@@ -401,19 +401,35 @@ class Forest:
 
     def _lend_spare(self, s: int) -> list[tuple[int, int]]:
         """A leaf of stripe ``s`` without a planned source goes under a demoted host with no child
-        (the shallowest in ``s``): its uplink is slow, but better than none in the plan."""
-        idle = [r for r, g in self.group.items() if g is None and self.slots[r] == 0
+        (the shallowest in ``s``): its uplink is slow, but better than none in the plan.  Where that
+        leaf is the only such host, it trades places with a demoted host that holds a forwarder's
+        slot in ``s`` and serves it there: two slow hosts feed each other, neither is left out."""
+        def idle(r):
+            return r != 0 and self.group.get(r) is None and self.slots.get(r) == 0 \
                 and not any(self.kids[x].get(r) for x in range(self.k))
-                and self.depth[s].get(r, UNPLACED) < UNPLACED and self.parent[s].get(r) not in self.spare]
-        leaf = min((r for r, p in self.parent[s].items()
-                    if p is None and not self.interior_in(r, s) and not self.kids[s][r]),
-                   key=lambda r: (r in idle, r), default=None)  # keep idle demoted hosts free to serve
-        idle = [r for r in idle if r != leaf]
-        if leaf is None or not idle:
+
+        def fed_by_forwarder(r):
+            return self.parent[s].get(r) is not None and self.parent[s][r] not in self.spare
+
+        leaves = [r for r, p in self.parent[s].items() if p is None and not self.interior_in(r, s) and not self.kids[s][r]]
+        if not leaves:
             return []
-        d = min(idle, key=lambda r: (self.depth[s][r], r))
-        self.spare[d] = s
-        return [self._move(leaf, s, to=d)]
+        leaf = min(leaves, key=lambda r: (idle(r), r))  # keep idle demoted hosts free to serve
+        servers = [r for r in self.kids[s] if r != leaf and idle(r) and fed_by_forwarder(r)]
+        if servers:
+            d = min(servers, key=lambda r: (self.depth[s][r], r))
+            self.spare[d] = s
+            return [self._move(leaf, s, to=d)]
+        trade = [r for r in self.kids[s] if r != leaf and r and self.group.get(r) is None and self.slots.get(r) == 0
+                 and not self.kids[s][r] and fed_by_forwarder(r)]
+        if not idle(leaf) or not trade:
+            return []
+        d = min(trade)
+        up = self.parent[s][d]
+        self._detach(d, s)
+        self._move(leaf, s, to=up)
+        self.spare[leaf] = s
+        return [(leaf, s), self._move(d, s, to=leaf)]
 
     def _unlend(self, rank: int) -> list[tuple[int, int]]:
         """``rank`` takes its lent slot back; the child it served there is placed again."""

@@ -114,22 +114,25 @@ def test_peers_catching_up_on_one_source_pick_different_chunks():
 def test_help_is_asked_of_partners_that_feed_nobody_further_not_of_a_stripe_root():
     # the source (1) lacks what partners 2 (a stripe's root: 6 peers get their stripe through its
     # children) and 3 (feeds nobody beyond its own children) hold: only 3 helps, so the root's
-    # uplink stays with its children; without the tracker's word, either may help
+    # uplink stays with its children, until the root holds every chunk; without the tracker's
+    # word, either may help
     for trial in range(20):
         s = PullScheduler(32, CHUNK, stripes=1, window=4, clock=Clock(), rng=random.Random(trial))
         s.set_plan([1])
-        for rank, holds in ((1, "11" + "." * 30), (2, "1" * 32), (3, "1" * 32)):
+        for rank, holds in ((1, "11" + "." * 30), (2, "1" * 31 + "."), (3, "1" * 31 + ".")):
             s.add(rank)
             s.ready(rank, bits(holds))
         s.set_downstream({2: 6, 3: 0})
         got = asked(s)
         assert 2 not in got and 0 < len(got[3]) <= HELP_WINDOW
-    helpers = set()
-    for trial in range(20):
-        s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 32, 3: "1" * 32}, plan=(1,), window=4)
-        s.rng.seed(trial)
-        helpers |= set(asked(s)) - {1}
-    assert helpers == {2, 3}
+    for downstream in ({2: 6, 3: 0}, {}):  # once it holds every chunk its children keep up with it
+        helpers = set()
+        for trial in range(20):
+            s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 32, 3: "1" * 31 + "."}, plan=(1,), window=4)
+            s.set_downstream(downstream)
+            s.rng.seed(trial)
+            helpers |= set(asked(s)) - {1}
+        assert helpers == {2, 3}
 
 
 def test_a_dead_planned_source_gives_its_requests_back_at_once():

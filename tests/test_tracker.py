@@ -177,7 +177,7 @@ def test_forest_a_demoted_host_serves_one_leaf_where_every_forwarder_slot_is_tak
     # pairs.  Each demoted host's uplink then carries one leaf's stripe (partners help with the rest)
     from p2pweights.topology import Forest
 
-    for demoted in ((1, 2), (1, 3), (7, 8), (2, 5)):
+    for demoted in ((1, 2), (1, 3), (1, 7), (7, 8), (2, 5)):  # (1, 7): both of one group
         f = Forest(2)
         for r in range(1, 9):
             f.place(r)
