@@ -411,7 +411,8 @@ class Forest:
         def fed_by_forwarder(r):
             return self.parent[s].get(r) is not None and self.parent[s][r] not in self.spare
 
-        leaves = [r for r, p in self.parent[s].items() if p is None and not self.interior_in(r, s) and not self.kids[s][r]]
+        leaves = [r for r, p in self.parent[s].items()
+                  if p is None and not self.interior_in(r, s) and not self.kids[s][r]]
         if not leaves:
             return []
         leaf = min(leaves, key=lambda r: (idle(r), r))  # keep idle demoted hosts free to serve
