@@ -184,8 +184,11 @@ def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, 
     the median to leaves, which takes their slots away: with F forwarders of
     k slots each and the seeder's one per stripe, k (N - 1 - F) (peer, stripe)
     pairs have no planned source, and their partners share those stripes, so
-    each forwarder carries its own copy and 1/F of theirs (what the demoted
-    hosts serve as help is left out: measured 0.1-0.25 S each).  On top, each
+    each forwarder carries its own copy and 1/F of theirs.  The demoted hosts'
+    own service (each feeds one such pair, ``Forest.spare``: 0.26-0.36 S each
+    on the bed) is left out: on the bed the peers it feeds finish last, their
+    stripe arriving at about 0.7 of the others' rate, so the fleet gains no
+    time from it, which crediting it here would claim.  On top, each
     slow host forwards until it is demoted: its first chunk to its k children
     at its own rate, then ``SLOW_EVIDENCE`` reviews; the uplink the fleet
     missed meanwhile is made up by the forwarders."""
