@@ -387,9 +387,9 @@ class Forest:
         if not unplaced:
             return []
         mine = self._subtree(unplaced[0], s)
-        spare = [sum(self.capacity(r, g) for r in self.kids[g]) - len(self.parent[g]) for g in range(self.k)]
+        room = [sum(self.capacity(r, g) for r in self.kids[g]) - len(self.parent[g]) for g in range(self.k)]
         cands = [r for r, g in self.group.items()
-                 if g is not None and g != s and spare[g] > 0  # its own stripe keeps a slot per receiver
+                 if g is not None and g != s and room[g] > 0  # its own stripe keeps a slot per receiver
                  and r not in self.lent and r not in mine and self.slots[r] >= 2
                  and self.load(r, g) < self.capacity(r, g) and self.depth[s].get(r, UNPLACED) < UNPLACED
                  and self.parent[s].get(r) not in self.spare]

@@ -39,8 +39,11 @@ def test_directory_to_n_peers(procs, tmp_path, model_dir, peers):
     for k in range(peers):
         assert same_tree(model_dir, tmp_path / f"peer{k}") == []
     blob = seed["total_size"]
-    assert seed["bytes_read"] == sum(os.path.getsize(model_dir / f) for f in os.listdir(model_dir))
-    assert seed["bytes_read"] <= blob
+    # every byte read once.  What sending read again is the kernel's block-I/O count for the whole
+    # process, not only the checkpoint's files: in about 1 run of 15 it also held 4-56 KiB the seeder
+    # read from elsewhere while serving (the source's pages stay cached here), so one chunk is allowed
+    files = sum(os.path.getsize(model_dir / f) for f in os.listdir(model_dir))
+    assert files <= seed["bytes_read"] <= files + 65536, seed["bytes_read"] - files
     ranks = sorted(r["rank"] for r in reports)
     assert ranks == list(range(1, peers + 1))
     for r in reports:
