@@ -291,7 +291,7 @@ class PullScheduler:
                 self._ask(lk, self._pick(lk, mask, k, park=PARK_AHEAD, spread_over=behind), out)
         lagging &= ~orphaned
         if lagging.any():  # 3. a stripe whose planned source lags: partners help, a few chunks each
-            _help(self, ready, lagging, out)
+            _help(self, ready, lagging, cheapest, out)
         if not self._wanted().any() and not self.have.all():  # 4. endgame: a second holder
             _endgame(self, ready, out)
         return list(out.items())
@@ -443,13 +443,12 @@ def _cheapest(sched: PullScheduler) -> int:
     return min((_cost(sched, lk) for lk in sched.links.values() if lk.ready and lk.rank != SEEDER), default=0)
 
 
-def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, out: dict) -> None:
+def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, cheapest: int, out: dict) -> None:
     """Step 3 of ``requests``: partners, in random order (not fastest first: every peer would pick
     the same one) among those that feed equally many peers further down, fewest first, each take a
     few of the lagging stripes' chunks, rarest first, within the budget."""
     budget = HELP_WINDOW * max(1, len(set(sched.plan))) - sum(
         1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
-    cheapest = _cheapest(sched)
     for lk in _cheapest_first(sched, ready):
         if lk.rank == SEEDER or budget <= 0 or _cost(sched, lk) > cheapest:
             continue

@@ -404,9 +404,11 @@ class Forest:
         (the shallowest in ``s``): its uplink is slow, but better than none in the plan.  Where that
         leaf is the only such host, it trades places with a demoted host that holds a forwarder's
         slot in ``s`` and serves it there: two slow hosts feed each other, neither is left out."""
+        def demoted(r):
+            return r != 0 and self.group.get(r) is None and self.slots.get(r) == 0
+
         def idle(r):
-            return r != 0 and self.group.get(r) is None and self.slots.get(r) == 0 \
-                and not any(self.kids[x].get(r) for x in range(self.k))
+            return demoted(r) and not any(self.kids[x].get(r) for x in range(self.k))
 
         def fed_by_forwarder(r):
             return self.parent[s].get(r) is not None and self.parent[s][r] not in self.spare
@@ -421,8 +423,7 @@ class Forest:
             d = min(servers, key=lambda r: (self.depth[s][r], r))
             self.spare[d] = s
             return [self._move(leaf, s, to=d)]
-        trade = [r for r in self.kids[s] if r != leaf and r and self.group.get(r) is None and self.slots.get(r) == 0
-                 and not self.kids[s][r] and fed_by_forwarder(r)]
+        trade = [r for r in self.kids[s] if r != leaf and demoted(r) and not self.kids[s][r] and fed_by_forwarder(r)]
         if not idle(leaf) or not trade:
             return []
         d = min(trade)
