@@ -67,18 +67,22 @@ class Partners:
         n = self.node
         if stripes is not None and stripes != n.pull.stripes:
             n.pull.set_stripes(stripes)
-        plan, want, downstream = [None] * n.pull.stripes, {}, {}
+        plan, want, downstream, slow = [None] * n.pull.stripes, {}, {}, set()
         for p in parents:
             if not self._entry_ok(p, stripe=True):
                 continue
             plan[p["stripe"]] = p["rank"]
             want[p["rank"]] = p["addr"] or n.tracker_addr
             downstream[p["rank"]] = p.get("downstream")
+            if p.get("slow") is True:
+                slow.add(p["rank"])
         for p in partners:
             if self._entry_ok(p) and p["rank"] != n.rank:
                 want.setdefault(p["rank"], p["addr"] or n.tracker_addr)
                 downstream[p["rank"]] = p.get("downstream")
-        n.pull.set_downstream({r: d for r, d in downstream.items() if isinstance(d, int) and d >= 0})
+                if p.get("slow") is True:
+                    slow.add(p["rank"])
+        n.pull.set_downstream({r: d for r, d in downstream.items() if isinstance(d, int) and d >= 0}, slow)
         if [x for x in plan if x is not None] != [x for x in n.pull.plan if x is not None]:
             n.stats.reparented += 1 if self.plan else 0
         self.plan = [{"stripe": s, "rank": r, "addr": want.get(r, "")} for s, r in enumerate(plan) if r is not None]

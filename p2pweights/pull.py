@@ -24,13 +24,17 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
    different chunks and can give each other the rest;
 3. help: chunks of a stripe whose planned source lags behind what
    the other partners hold (``LAG_CHUNKS``), is much slower than the other
-   links (``SLOW_LINK``), or holds more than two windows we lack, taken from
-   partners that hold them (in random order, so requesters spread, but those
-   whose uplink feeds fewest peers through its children first: ``downstream``,
-   from the tracker; help from a stripe's root slows its whole tree), rarest
-   first among the lowest candidates, at most ``HELP_WINDOW`` per helping
-   link and per planned source in all, so help never crowds out a partner's
-   own children;
+   links (``SLOW_LINK``), holds more than two windows we lack, or was
+   demoted by the tracker once that stripe is all we miss, taken from the
+   partners that hold them: only the cheapest (not slow: demoted by the
+   tracker or below ``SLOW_HELPER`` of the typical link; then feeding fewest
+   peers through its children, ``downstream``: help from a stripe's root
+   slows its whole tree), each chunk from the one that would deliver it
+   soonest (its requests there over its rate: an idle fast partner before a
+   busy or slow one; ties at random, so requesters spread), rarest first
+   among the lowest candidates, at most ``HELP_WINDOW`` per helping link and
+   per planned source in all, so help never crowds out a partner's own
+   children;
 4. endgame: once nothing is left to ask, each missing chunk may be asked of a
    second holder; the first copy to arrive cancels the other request.
 
@@ -54,6 +58,7 @@ QUEUE_TIME = 0.25  # seconds of a link's measured rate that its window keeps ask
 RATE_WEIGHT = 0.25  # weight of the newest sample in a link's rate average
 LAG_CHUNKS = 8  # a planned source lacking more than this (or 2 windows) of what partners hold is lagging
 SLOW_LINK = 0.3  # a planned source delivering below this share of the other links' median is slow
+SLOW_HELPER = 0.5  # a partner delivering below this share of the links' median helps only if none is faster
 HELP_WINDOW = 2  # requests a helping (non-planned) link carries at once
 SHARE_WINDOW = 3  # requests for orphaned stripes a partner that plans none of ours carries at once
 RAREST_AMONG = 16  # help picks the rarest of this many lowest candidates
@@ -114,6 +119,7 @@ class PullScheduler:
         self._avail = np.zeros(n_chunks, bool)  # during ``requests``: what a pick may still take
         self.links: dict[int, Link] = {}
         self.downstream: dict[int, int] = {}  # rank -> peers its uplink feeds through its children
+        self.slow: set[int] = set()  # ranks the tracker demoted (slow uplinks): asked for help last
         self.plan: list[int | None] = [None] * stripes
         self.set_stripes(stripes)
         self.cancels: dict[int, list[int]] = {}  # rank -> chunks to CANCEL there (see take_cancels)
@@ -191,10 +197,12 @@ class PullScheduler:
                 self._withdraw(lk, moved)
         self.plan = list(plan)
 
-    def set_downstream(self, downstream: dict[int, int]) -> None:
-        """Peers each partner's uplink feeds beyond its children (the tracker's; unknown: none)."""
+    def set_downstream(self, downstream: dict[int, int], slow=()) -> None:
+        """Peers each partner's uplink feeds beyond its children, and the partners the tracker
+        found slow (demoted): both the tracker's; unknown: none, not slow."""
         self.dirty = True
         self.downstream = dict(downstream)
+        self.slow = set(slow)
 
     # ----- chunks ------------------------------------------------------------
 
@@ -274,16 +282,18 @@ class PullScheduler:
         any_orphaned = bool(orphaned.any())
         spread = sum(lk.ready and lk.rank != SEEDER for lk in self.links.values()) > 1  # catching up on a
         #   backlog with partners around: rarest first, ties apart, so what we take we can give them
-        order, cheapest = (_cheapest_first(self, ready) if any_orphaned else ready), _cheapest(self)  # sharers spread
+        typical = self._typical_rate()
+        order = _cheapest_first(self, ready, typical) if any_orphaned else ready  # sharers spread
+        cheapest = _cheapest(self, orphaned, typical)
         for lk in sorted(order, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
             k = lk.free()
             planned = self._planned_mask(lk.rank)
             if lk.rank == SEEDER:
-                mine = self._seeder_share(orphaned, peers_hold)
+                mine = _seeder_share(self, orphaned, peers_hold)
             else:
                 mine = orphaned & lk.holds if any_orphaned else None
                 if planned is None and mine is not None:  # it only shares: a few at a time, if cheapest
-                    k = 0 if _cost(self, lk) > cheapest else min(k, SHARE_WINDOW - sum(
+                    k = 0 if _cost(self, lk, typical) > cheapest else min(k, SHARE_WINDOW - sum(
                         1 for i in lk.outstanding if i not in lk.helping))
             mask = mine if planned is None else planned if mine is None else planned | mine
             if mask is not None:
@@ -291,7 +301,7 @@ class PullScheduler:
                 self._ask(lk, self._pick(lk, mask, k, park=PARK_AHEAD, spread_over=behind), out)
         lagging &= ~orphaned
         if lagging.any():  # 3. a stripe whose planned source lags: partners help, a few chunks each
-            _help(self, ready, lagging, cheapest, out)
+            _help(self, ready, lagging, typical, out)
         if not self._wanted().any() and not self.have.all():  # 4. endgame: a second holder
             _endgame(self, ready, out)
         return list(out.items())
@@ -306,15 +316,6 @@ class PullScheduler:
         return np.flatnonzero(~self.have & (self.holders == 0)).tolist()
 
     # ----- internals ---------------------------------------------------------
-
-    def _seeder_share(self, orphaned: np.ndarray, peers_hold: np.ndarray) -> np.ndarray:
-        """Orphaned chunks the seeder may serve: those no partner has held for ``SEEDER_PATIENCE``
-        seconds (at the front of a stripe a partner usually has it a moment later)."""
-        now = self.clock()
-        nobody = orphaned & (peers_hold == 0)
-        self.orphan_at[~nobody] = np.inf
-        self.orphan_at[nobody] = np.minimum(self.orphan_at[nobody], now)
-        return nobody & (now - self.orphan_at >= SEEDER_PATIENCE)
 
     def _peers_hold(self) -> np.ndarray:
         """How many ready partners other than the seeder hold each chunk."""
@@ -395,6 +396,16 @@ class PullScheduler:
                 self.inflight[index] = False
 
 
+def _seeder_share(sched: PullScheduler, orphaned: np.ndarray, peers_hold: np.ndarray) -> np.ndarray:
+    """Orphaned chunks the seeder may serve: those no partner has held for ``SEEDER_PATIENCE``
+    seconds (at the front of a stripe a partner usually has it a moment later)."""
+    now = sched.clock()
+    nobody = orphaned & (peers_hold == 0)
+    sched.orphan_at[~nobody] = np.inf
+    sched.orphan_at[nobody] = np.minimum(sched.orphan_at[nobody], now)
+    return nobody & (now - sched.orphan_at >= SEEDER_PATIENCE)
+
+
 def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
     """``PullScheduler.stalled``: for each link whose requests wait far longer than its rate
     explains, give them back (and CANCEL them there)."""
@@ -426,36 +437,55 @@ def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
     return out
 
 
-def _cheapest_first(sched: PullScheduler, links: list[Link]) -> list[Link]:
-    """``links`` in random order, then stably by ``_cost``: requesters spread over equals."""
-    return sorted(sched.rng.sample(links, len(links)), key=lambda lk: _cost(sched, lk))
+def _cheapest_first(sched: PullScheduler, links: list[Link], typical: float) -> list[Link]:
+    """``links`` cheapest first (``_cost``), and among equals the soonest to deliver one more chunk
+    (``_eta``: an idle fast partner before a busy one), ties in random order so requesters spread."""
+    return sorted(sched.rng.sample(links, len(links)),
+                  key=lambda lk: (_cost(sched, lk, typical), _eta(lk, typical)))
 
 
-def _cost(sched: PullScheduler, lk: Link) -> int:
-    """What asking ``lk`` for help costs the fleet: the peers its uplink feeds beyond its children
-    (``downstream``), none once it holds every chunk (its children then keep up with it)."""
-    return 0 if lk.held >= sched.n else sched.downstream.get(lk.rank, 0)
+def _eta(lk: Link, typical: float) -> float:
+    """When ``lk`` would deliver one more chunk asked of it now, in chunk-times at its rate."""
+    rate = lk.rate or typical
+    return (len(lk.outstanding) + 1) / rate if rate > 0 else 0.0
 
 
-def _cheapest(sched: PullScheduler) -> int:
-    """The lowest ``_cost`` of an attached partner (the seeder aside): only partners that cheap help
-    or share, so no stripe's root gives its children's uplink away."""
-    return min((_cost(sched, lk) for lk in sched.links.values() if lk.ready and lk.rank != SEEDER), default=0)
+def _cost(sched: PullScheduler, lk: Link, typical: float) -> tuple[bool, int]:
+    """What asking ``lk`` for help costs the fleet, cheapest first: whether it is slow (the tracker
+    demoted it, or its link delivers below ``SLOW_HELPER`` of the ``typical`` link's rate: one
+    carrying many flows; a request there waits seconds), then the peers its uplink feeds beyond its
+    children (``downstream``), none once it holds every chunk (its children then keep up with it)."""
+    slow = lk.rank in sched.slow or 0 < lk.rate < SLOW_HELPER * typical
+    return slow, 0 if lk.held >= sched.n else sched.downstream.get(lk.rank, 0)
 
 
-def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, cheapest: int, out: dict) -> None:
-    """Step 3 of ``requests``: partners, in random order (not fastest first: every peer would pick
-    the same one) among those that feed equally many peers further down, fewest first, each take a
-    few of the lagging stripes' chunks, rarest first, within the budget."""
+def _cheapest(sched: PullScheduler, wanted: np.ndarray, typical: float) -> tuple[bool, int]:
+    """The lowest ``_cost`` of an attached partner (the seeder aside) that holds some ``wanted``
+    chunk: only partners that cheap help or share, so no stripe's root gives its children's uplink
+    away and no slow uplink is asked while a fast one holds the chunks."""
+    return min((_cost(sched, lk, typical) for lk in sched.links.values()
+                if lk.ready and lk.rank != SEEDER and (wanted & lk.holds).any()), default=(False, 0))
+
+
+def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, typical: float, out: dict) -> None:
+    """Step 3 of ``requests``: among the cheapest partners that hold lagging chunks, each chunk of
+    help goes to the one that would deliver it soonest (``_eta``), ties in random order so
+    requesters spread; rarest first among the lowest lagging chunks it holds, at most
+    ``HELP_WINDOW`` per link and the budget in all."""
     budget = HELP_WINDOW * max(1, len(set(sched.plan))) - sum(
         1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
-    for lk in _cheapest_first(sched, ready):
-        if lk.rank == SEEDER or budget <= 0 or _cost(sched, lk) > cheapest:
-            continue
+    cheapest = _cheapest(sched, lagging & sched._avail, typical)  # what is still to ask
+    cands = [lk for lk in _cheapest_first(sched, ready, typical)
+             if lk.rank != SEEDER and _cost(sched, lk, typical) <= cheapest]
+    while budget > 0 and cands:
+        lk = min(cands, key=lambda x: _eta(x, typical))  # stable: random among equals
         helping = sum(1 for i in lk.outstanding if i in lk.helping)
-        chunks = sched._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping, budget), rarest=True)
-        lk.helping.update(chunks)
-        budget -= len(chunks)
+        chunks = sched._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping, 1), rarest=True)
+        if not chunks:
+            cands.remove(lk)
+            continue
+        lk.helping.add(chunks[0])
+        budget -= 1
         sched._ask(lk, chunks, out)
 
 
@@ -477,7 +507,10 @@ def _help_mask(sched: PullScheduler, peers_hold: np.ndarray) -> tuple[np.ndarray
             others = (peers_hold - (src.holds if rank != SEEDER else 0)) > 0
             lacks = int((missing & others & ~src.holds).sum())
             rates = [lk.rate for lk in sched.links.values() if lk.rate > 0 and lk is not src]
-            slow = src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * statistics.median(rates)
+            # a demoted source holds us back once this stripe is all we miss (its pace set the plan's
+            # share; the partners done with their own stripes have the uplink to spare now)
+            slow = (rank in sched.slow and not (~sched.have & ~in_stripe).any()) or \
+                (src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * statistics.median(rates))
             # lagging: it lacks what others hold, it is slow, or it holds more than we keep up with
             lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow or \
                 int((missing & src.holds & ~sched.inflight).sum()) > 2 * src.window

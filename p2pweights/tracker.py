@@ -167,7 +167,12 @@ class Tracker:
                 if p in self.members and not self.members[p].left]
 
     def _downstream(self, rank: int) -> dict:
-        return {"downstream": self.topology.downstream(rank)} if self.placed and rank != ROOT else {}
+        """What a peer is told of a partner: ``downstream``, and ``slow`` once it is demoted (help
+        is asked of it last: its uplink is already taken by what the plan gives it)."""
+        if not self.placed or rank == ROOT:
+            return {}
+        m = self.members.get(rank)
+        return {"downstream": self.topology.downstream(rank), **({"slow": True} if m and m.demoted else {})}
 
     def done(self, rank: int, seconds: float | None = None) -> None:
         m = self._member(rank)

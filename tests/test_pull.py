@@ -235,3 +235,46 @@ def test_a_new_plan_withdraws_a_stripe_from_its_former_source():
     got = asked(s)
     assert got[2][:2] == [1, 3]
     assert s.expects(0, 1)  # a copy the seeder already sent is still taken
+
+
+def test_help_goes_to_the_partner_that_would_deliver_it_soonest():
+    # the source (1) lags; partners 2 and 3 hold the chunks and feed nobody further: 3 delivers
+    # ten times faster than 2 (an idle uplink against one busy with its children), so each chunk
+    # of help goes to 3 until its help window is full, and only then to 2
+    for trial in range(20):
+        s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 32, 3: "1" * 32}, plan=(1,), window=4)
+        s.rng.seed(trial)
+        s.links[2].rate, s.links[3].rate = 2e6, 20e6
+        got = asked(s)
+        assert len(got[3]) == HELP_WINDOW and len(got.get(2, [])) <= HELP_WINDOW
+        assert len(got[3]) >= len(got.get(2, []))
+
+
+def test_a_partner_the_tracker_found_slow_helps_only_where_no_fast_one_holds_the_chunks():
+    # 2 was demoted (its uplink is taken by the leaf the plan gives it): 3 helps; where only 2
+    # holds what the lagging source lacks, 2 helps
+    for trial in range(20):
+        s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 32, 3: "1" * 32}, plan=(1,), window=4)
+        s.rng.seed(trial)
+        s.set_downstream({2: 0, 3: 0}, slow={2})
+        got = asked(s)
+        assert 2 not in got and 0 < len(got[3]) <= HELP_WINDOW
+    s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 32, 3: "1" * 2 + "." * 30}, plan=(1,), window=4)
+    s.set_downstream({2: 0, 3: 0}, slow={2})
+    assert 0 < len(asked(s)[2]) <= HELP_WINDOW
+
+
+def test_a_stripe_fed_by_a_slow_source_is_helped_once_it_is_all_we_miss():
+    # stripe 1 comes from a demoted host (2) a little ahead of us: while stripe 0 still flows, the
+    # slow source keeps its share (help would take uplink the trees need); once stripe 1 is all we
+    # miss, fast partners that hold it help
+    n = 32
+    for have in ("1" * 24 + "." * 8, "1" * 24 + "1.1.1.1."):
+        s, _ = sched(n=n, stripes=2, have=have, plan=(1, 2), links={1: "1" * n, 2: "1" * n, 3: "1" * n}, window=4)
+        s.set_downstream({1: 0, 2: 0, 3: 0}, slow={2})
+        s.links[2].window = 2  # what its measured rate gives a slow link
+        got = asked(s)
+        if "1" in have[24:]:
+            assert 0 < len(got[3]) <= HELP_WINDOW and all(i % 2 == 1 for i in got[3])
+        else:
+            assert 3 not in got and got[2] == [25, 27]

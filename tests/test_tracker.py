@@ -131,6 +131,8 @@ def test_forest_partners_are_told_how_many_peers_each_one_feeds_further_down():
     told = t.take_moved()
     assert set(t.members[root].partners) <= set(told)  # they learn that it feeds nobody further now
     assert f.downstream(root) == 0
+    entries = [p for r in told for p in t.partner_addrs(t.members[r]) + t.parent_addrs(t.members[r])]
+    assert {p["rank"] for p in entries if p.get("slow")} == {root}  # and that its uplink is slow
 
 
 def test_forest_settled_table_matches_the_incremental_plan_in_shape():
