@@ -27,7 +27,7 @@ from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_rout
 from .protocol import Msg, ProtocolError
 from .store import SourceStore, SpaceError, Store, StoreClosed, blob_backing
 from .formats import checkpoint_files, scan as scan_checkpoint
-from .source import BlobSource, storage_read_bytes
+from .source import BlobSource, sending_read_bytes
 from .topology import make as make_topology
 from .tracker import Tracker
 
@@ -72,6 +72,8 @@ def local_ip_towards(host: str) -> str:
 
 class Seeder:
     """A running seeder: serves the checkpoint at ``path`` and runs the tracker."""
+
+    reread_at_close: int | None = None  # ``reread`` as the I/O threads ended
 
     def __init__(self, path, *, port: int = DEFAULT_PORT, host: str = "0.0.0.0",
                  chunk_size: int | None = None, topology: str = DEFAULT_PLAN, hash: str = "xxh3_64",
@@ -143,9 +145,9 @@ class Seeder:
                          window=window, key=key)
         if self.source is not None:
             self.node.attach_source(self.source)
-        # from here on, the process's storage reads are pages sending reads again (set up, imports and all,
-        # is behind us); an object store's temp file is not its storage: the bucket's reads are counted there
-        self.io_at_serve = storage_read_bytes() if self.s3 is None else None
+        # from here on, what the kernel reads for libzmq's I/O threads is pages sending reads again; an object
+        # store's temp file is not its storage: the bucket's reads are counted there
+        self.io_at_serve = sending_read_bytes() if self.s3 is None else None
         self.node.start()
 
     @property
@@ -173,13 +175,13 @@ class Seeder:
 
     @property
     def reread(self) -> int:
-        """Bytes read from storage again by sending (the kernel's count for this process, less the scan and the
-        read-ahead thread, whose reads are counted as they are made); 0 where the kernel keeps no count."""
-        now = storage_read_bytes()
-        if now is None or self.io_at_serve is None:
+        """Bytes read from storage again by sending: the kernel's count for libzmq's I/O threads since serving
+        began (``source.sending_read_bytes``), kept at close, when they end; 0 where the kernel keeps no count."""
+        if self.reread_at_close is not None:
+            return self.reread_at_close
+        if self.io_at_serve is None:
             return 0
-        reader = getattr(self.node, "reader", None)
-        return max(now - self.io_at_serve - (reader.storage_read if reader is not None else 0), 0)
+        return sum(n - self.io_at_serve.get(tid, 0) for tid, n in sending_read_bytes().items())
 
     @property
     def stats(self):
@@ -209,6 +211,7 @@ class Seeder:
             self.source.close()  # its GET threads
         if self.gate is not None:
             self.gate.stop()
+        self.reread_at_close = self.reread  # the I/O threads' counts end with them
         self.ctx.term()
         self.store.close()
         if self.lock is not None:

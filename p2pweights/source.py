@@ -20,7 +20,8 @@ from .manifest import chunk_hasher, file_segments
 
 
 def storage_read_bytes(scope: str = "self") -> int | None:
-    """Bytes this process (``scope='self'``) or thread (``'thread-self'``) had the kernel read from storage.
+    """Bytes this process (``scope='self'``) or one of its threads (``'self/task/TID'``) had the kernel read
+    from storage.
 
     Block I/O only, from /proc/SCOPE/io: page cache hits are not counted, so a
     chunk sent from a mapping whose pages are cached costs nothing here, and
@@ -32,6 +33,31 @@ def storage_read_bytes(scope: str = "self") -> int | None:
             return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
     except (OSError, StopIteration, ValueError):
         return None
+
+
+def sending_read_bytes() -> dict[str, int]:
+    """Bytes the kernel read from storage for each of this process's libzmq I/O threads, by thread id.
+
+    Chunks are sent from the mapped source files without a copy, so the I/O
+    thread writing one to its socket is what reads the mapping: its count is
+    the pages sending read again because the kernel had dropped them, and
+    nothing else.  The process's own reads (a module imported late, such as
+    pyzmq's zero-copy ``zmq.utils.garbage`` on the first send, files it
+    writes, the read-ahead thread's preadv) are other threads'.  Empty where
+    the kernel keeps no count.
+    """
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if "ZMQbg/IO/" not in f.read():
+                    continue
+        except OSError:  # ended since the listing
+            continue
+        n = storage_read_bytes(f"self/task/{tid}")
+        if n is not None:
+            out[tid] = n
+    return out
 
 
 class SourceError(UserError, OSError):
@@ -167,7 +193,6 @@ class ReadAhead:
         self.done = np.zeros(store.manifest.n_chunks, dtype=bool)  # read (or tried) by this thread
         mapped = not getattr(store, "writable", True)  # the store maps these very files: read only to verify
         self.scratch = memoryview(bytearray(store.manifest.chunk_size)) if mapped else None
-        self.storage_read = 0  # bytes this thread had read from storage (its reads are the source's to count)
         self.thread = threading.Thread(target=self._run, name="p2pw-readahead", daemon=True)
         self.thread.start()
 
@@ -186,7 +211,6 @@ class ReadAhead:
 
     def _run(self) -> None:
         n = self.store.manifest.n_chunks
-        base = storage_read_bytes("thread-self") or 0
         while True:
             index = self.requests.get()
             if index is None:
@@ -198,4 +222,3 @@ class ReadAhead:
             self.done[todo] = True
             for i, ok in self.source.read_chunks(self.store.manifest, todo, self.view_of, self.digest):
                 self.on_ready(i, ok)
-            self.storage_read = (storage_read_bytes("thread-self") or base) - base

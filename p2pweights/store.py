@@ -322,7 +322,8 @@ class SourceStore(Store):
     where these mappings find it: a chunk sent to a child is read from
     memory, not storage.  Pages the kernel dropped since are read from
     storage again by the send; the seeder counts those reads from the
-    kernel's own I/O accounting (``source.storage_read_bytes``).
+    kernel's own I/O accounting for the threads that send
+    (``source.sending_read_bytes``).
     """
 
     writable = False  # read-only mappings: nothing is ever written into this store
