@@ -113,7 +113,8 @@ def one_run(tb, variant: str, model: str, torrent: str | None, n: int, work: str
     if variant == BT:
         return fleet.run_libtorrent(tb, model, torrent, n, work, kill=kill, utp=args.bt_utp, timeout=args.timeout)
     plan = None if variant == "default" else variant
-    return fleet.run_p2pw(tb, model, n, work, plan=plan, chunk=args.chunk_size, kill=kill, timeout=args.timeout)
+    return fleet.run_p2pw(tb, model, n, work, plan=plan, chunk=args.chunk_size, kill=kill, timeout=args.timeout,
+                          trace=args.trace)
 
 
 def _med(xs):
@@ -260,6 +261,8 @@ def parse_args(argv):
     ap.add_argument("--bt-utp", action="store_true", help="let libtorrent use uTP as well as TCP (default TCP only)")
     ap.add_argument("--fifo", action="store_true",
                     help="one FIFO under each host's cap (the bed before stop 19), not per-destination fair queuing")
+    ap.add_argument("--trace", action="store_true",
+                    help="p2pw joins record each verified chunk (join --trace) into --json: bench/trace.py reads it")
     ap.add_argument("--quick", action="store_true", help="smoke run: 32 MiB, N = 3, one repeat")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one run may take (300)")
     ap.add_argument("--md", default=str(ROOT / "bench" / "results" / "broadcast.md"),

@@ -260,10 +260,11 @@ def compile_package() -> None:
 
 
 def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = None, chunk: int | None = None,
-             kill: bool = False, timeout: float = 300, keep: bool = False) -> dict:
+             kill: bool = False, timeout: float = 300, keep: bool = False, trace: bool = False) -> dict:
     """p2pw: ``p2pw seed`` in host 0, ``p2pw join --parent H0 --out DIR --report F -q`` in hosts 1..n.
 
-    ``plan`` None: the seeder's default (no --topology); ``chunk`` None: its default chunk size.
+    ``plan`` None: the seeder's default (no --topology); ``chunk`` None: its default chunk size;
+    ``trace``: the joins add each verified chunk to their reports (``--trace``, for ``bench/trace.py``).
     """
     compile_package()
     work = Path(work)
@@ -280,7 +281,7 @@ def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = N
         seeder = _start_seeder(tb, argv, ready, seed_log)
         r = _timed(tb, model, n, work, tag, seeder,
                    lambda h, rep: [*P2PW, "join", "--parent", parent, "--out", str(outs[h]), "--report", str(rep),
-                                   "-q"],
+                                   "-q", *(["--trace"] if trace else [])],
                    lambda h: outs[h], kill, timeout)
     finally:
         if not keep:

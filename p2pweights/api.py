@@ -265,6 +265,12 @@ class Download:
         """Our planned source in each stripe now (the tracker may have moved us since we joined)."""
         return self.node.partners.parents()
 
+    def arrivals(self) -> list[list] | None:
+        """Each verified chunk as ``[seconds since join(), chunk, from rank, planned rank]``, in arrival
+        order (a rank of None: no planned source then); None unless joined with ``trace=True``."""
+        got = self.node.stats.arrivals
+        return None if got is None else [[round(t - self.started, 4), i, r, p] for t, i, r, p in list(got)]
+
     @property
     def stats(self):
         return self.node.stats
@@ -526,9 +532,9 @@ def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, st
 def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0.0.0",
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
          connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
-         key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT,
+         key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT, cache: ModelCache | None = None,
          give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None,
-         cache: ModelCache | None = None, hf_cache: str | None = None, retry_now: bool = False) -> Download:
+         hf_cache: str | None = None, retry_now: bool = False, trace: bool = False) -> Download:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.
@@ -537,17 +543,16 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     are; a copy whose marker matches is served at once, unless ``verify='full'``
     (re-hash what is there).  Without ``out``, the blob lives in memory, or in
     an unlinked temporary file when larger than ``memory_budget`` bytes
-    (default: half the memory available).  ``model_id``: refuse any
-    other checkpoint.  ``connect_timeout``: how long to keep trying a parent
-    that is not up yet.  ``parent_timeout``: a parent silent this long is
-    given up for another (the tracker names it).  ``give_up_after``: fail once
-    no chunk has arrived from anyone for this long (the seeder and every holder
-    gone); verified chunks stay on disk for a resume.  ``device`` ('cpu', 'cuda:N'): stream verified chunks
+    (default: half the memory available).  ``model_id``: refuse any other checkpoint.  ``connect_timeout``:
+    how long to keep trying a parent that is not up yet.  ``parent_timeout``: a parent silent this long is
+    given up for another (the tracker names it).  ``give_up_after``: fail once no chunk has arrived from
+    anyone for this long (the seeder and every holder gone); verified chunks stay on disk for a resume.  ``device`` ('cpu', 'cuda:N'): stream verified chunks
     into one buffer there, for ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.
     ``key`` (``keys.load(DIR)``): CURVE-encrypt and authenticate every link.
     ``cache`` (``ModelCache``): without ``out``, the copy goes to (or is found complete in) the cache, which
     evicts first under its size and remembers repeating failures (``retry_now`` ignores them).  ``hf_cache``
-    (a hub cache directory): the copy in the Hugging Face layout there (``hfcache``).
+    (a hub cache directory): the copy in the Hugging Face layout there (``hfcache``).  ``trace``: keep
+    when and from whom each chunk verified (``Download.arrivals``).
     """
     started = time.monotonic()
     where = _destination(out, cache, hf_cache)
@@ -587,6 +592,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     cache, model_cache = disk, cache
     node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window,
                 key=key, parent_timeout=parent_timeout, hello=hello, give_up_after=give_up_after)
+    node.stats.arrivals = [] if trace else None
     try:
         loader = _wire(node, store, cache, link, tracker_addr, welcome, device, started, target)
     except Exception:

@@ -237,7 +237,7 @@ def cmd_join(args) -> int:
               model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device,
               parent_timeout=args.parent_timeout, give_up_after=args.give_up_after, verify=args.verify,
               memory_budget=args.memory_budget, key=load_key(args.key), cache=cache, hf_cache=hf,
-              retry_now=args.retry_now)
+              retry_now=args.retry_now, trace=args.trace)
     bind(http, dl)
     bar = None if args.quiet else Progress(dl, every=args.progress_every)
     try:
@@ -272,7 +272,8 @@ def cmd_join(args) -> int:
                              # that compare peers in separate processes against one common start
                              "started_at": wall + dl.started,
                              "done_at": wall + dl.started + secs,
-                             "first_chunk_at": wall + (dl.store.first_at or dl.started)})
+                             "first_chunk_at": wall + (dl.store.first_at or dl.started),
+                             **({"chunks": dl.arrivals()} if args.trace else {})})
     if args.stay:
         say("staying", "p2pw: staying to serve others (Ctrl-C to stop)")
         serve_until_signalled(lambda: dl.node.fatal is not None, every=0.2)
@@ -501,6 +502,9 @@ def _join_parser(sub) -> None:
                    help="without --out, a blob larger than this is kept in a temporary file, not memory "
                         "(default: half the memory available)")
     j.add_argument("--report", help="write a JSON summary to this file")
+    j.add_argument("--trace", action="store_true",
+                   help="add each verified chunk to the --report as [seconds since join, chunk, from rank, "
+                        "planned rank] (what a slow broadcast waited on: bench/trace.py reads them)")
     j.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     j.add_argument("--device", help="stream chunks into one buffer on this torch device (cpu, cuda:N) "
                                     "and print the stage report")

@@ -167,6 +167,8 @@ class Handlers:
         n.pull.arrived(link.rank, index, ok)
         if ok:
             n.stats.switches += planned != link.rank
+            if n.stats.arrivals is not None:
+                n.stats.arrivals.append((link.last_chunk, index, link.rank, planned))
             n.publish(index)
             return
         n.stats.bad_chunks += 1

@@ -61,6 +61,7 @@ class Stats:
     reparented: int = 0
     resumed: int = 0
     switches: int = 0  # chunks taken from a partner other than the planned source
+    arrivals: list | None = None  # traced joins: (clock, chunk, from rank, planned rank) per verified chunk
 
     @property
     def refetched(self) -> int:

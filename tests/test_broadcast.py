@@ -20,11 +20,11 @@ def ancestors(rank: int) -> list[int]:
     return out
 
 
-def broadcast(procs, tmp_path, source, peers: int):
+def broadcast(procs, tmp_path, source, peers: int, *join_args):
     seeder, info = procs.seeder(source, "--chunk-size", CHUNK, "--exit-after", peers,
                                 "--report", tmp_path / "seed.json")
     joins = [procs.join(info["port"], tmp_path / f"peer{k}", "--report", tmp_path / f"peer{k}.json",
-                        "--model-id", info["model_id"]) for k in range(peers)]
+                        "--model-id", info["model_id"], *join_args) for k in range(peers)]
     for j in joins:
         assert j.wait(90) == 0, j.output()
         assert "p2pw: done" in j.output()
@@ -53,6 +53,27 @@ def test_directory_to_n_peers(procs, tmp_path, model_dir, peers):
     # finish (and leave) before the next one has started, which makes "about once" a netbed assertion
     # (tests/test_netbed_broadcast.py), not one for here
     assert blob <= seed["bytes_sent"] and (peers == 1 or seed["bytes_sent"] < peers * blob), seed["bytes_sent"]
+
+
+def test_trace_names_each_chunk_once_with_when_and_from_whom(procs, tmp_path, model_dir):
+    seed, reports = broadcast(procs, tmp_path, model_dir, 3, "--trace")
+    n = -(-seed["total_size"] // (64 << 10))
+    for r in reports:
+        assert same_tree(model_dir, tmp_path / f"peer{reports.index(r)}") == []
+        chunks = r["chunks"]
+        assert sorted(c[1] for c in chunks) == list(range(n))  # every chunk, once: what verified
+        assert all(c[2] in range(4) and c[2] != r["rank"] for c in chunks)  # the seeder or another peer
+        assert [c[0] for c in chunks] == sorted(c[0] for c in chunks) and chunks[0][0] >= 0
+        assert sum(c[2] != c[3] for c in chunks) == r["switches"]  # from a partner other than the planned one
+    assert "chunks" not in broadcast_report_without_trace(procs, tmp_path, model_dir)
+
+
+def broadcast_report_without_trace(procs, tmp_path, model_dir):
+    seeder, info = procs.seeder(model_dir, "--chunk-size", CHUNK, "--exit-after", 1)
+    j = procs.join(info["port"], tmp_path / "plain", "--report", tmp_path / "plain.json")
+    assert j.wait(90) == 0, j.output()
+    assert seeder.wait(30) == 0, seeder.output()
+    return json.loads((tmp_path / "plain.json").read_text())
 
 
 @pytest.mark.parametrize("peers", [1, 3])

@@ -1,0 +1,87 @@
+"""Where a broadcast's time went, from its traced joins (``broadcast.py --trace --json FILE``).
+
+    python bench/trace.py FILE [--case slow2] [--bin 2] [--late 20]
+
+For every traced p2pw run in FILE (each receiver ran ``p2pw join --trace``,
+so its report lists each verified chunk as [seconds since join, chunk, from
+rank, planned rank]), prints, in bins of ``--bin`` seconds since launch:
+
+- chunks each host received, per stripe (a stripe that runs below the
+  others is the one a host waits on), with how many came from each source
+  host and whether that was the planned one (P) or help;
+- chunks each host sent (every receiver's arrivals by source): a host's
+  uplink at full rate sends the same number per bin, so a short bin is
+  uplink left idle;
+- the last ``--late`` chunks of the host that finished last: when each
+  arrived and from whom.
+
+Host 0 ("S") is the seeder; hosts are the bed's, ranks the tracker's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+
+def arrivals(run: dict) -> dict[str, list[tuple[float, int, str, bool]]]:
+    """host -> [(seconds since launch, chunk, source host, planned?)] for each traced receiver."""
+    reps = {h: r for h, r in run["reports"].items() if "chunks" in r}
+    host_of = {r["rank"]: str(h) for h, r in reps.items()}
+    host_of[0] = "S"
+    return {h: [(r["started_at"] + t, i, host_of.get(src, f"r{src}"), src == planned)
+                for t, i, src, planned in r["chunks"]] for h, r in reps.items()}
+
+
+def row(counts: Counter, bins: int) -> str:
+    return " ".join(f"{counts[b]:3d}" for b in range(bins))
+
+
+def report(run: dict, width: float, late: int) -> str:
+    got = arrivals(run)
+    if not got:
+        return "  (no traced receivers: run broadcast.py with --trace)\n"
+    stripes = max(len(r.get("plan", [])) for r in run["reports"].values()) or 1
+    bins = int(max(t for a in got.values() for t, *_ in a) // width) + 1
+    out = [f"  bins of {width:g} s since launch: " + " ".join(f"{b * width:3.0f}" for b in range(bins))]
+    sent: dict[str, Counter] = {}
+    for h in sorted(got, key=int):
+        slow = run["rates"].get(h, run["rates"].get(int(h))) != run["rates"].get("0", run["rates"].get(0))
+        done = run["reports"][h]["done_at"]
+        for s in range(stripes):
+            counts = Counter(int(t // width) for t, i, *_ in got[h] if i % stripes == s)
+            out.append(f"  h{h:<2} s{s} {'slow' if slow else '    '} {row(counts, bins)}" +
+                       (f"   done {done:5.1f} s" if s == 0 else ""))
+        by_source = Counter((src, planned) for _, _, src, planned in got[h])
+        out.append("          from " + ", ".join(f"h{src}{' P' if p else ''}: {k}"
+                                              for (src, p), k in sorted(by_source.items())))
+        for t, _, src, _ in got[h]:
+            sent.setdefault(src, Counter())[int(t // width)] += 1
+    out.append("  sent per bin:")
+    for src in sorted(sent, key=lambda x: (x != "S", x)):
+        out.append(f"  h{src:<2}         {row(sent[src], bins)}   {sum(sent[src].values())} chunks")
+    last = max(got, key=lambda h: run["reports"][h]["done_at"])
+    out.append(f"  the last {late} chunks of h{last} (finished last):")
+    for t, i, src, planned in sorted(got[last])[-late:]:
+        out.append(f"    {t:6.2f} s  chunk {i:5d} (stripe {i % stripes})  from h{src}{'' if planned else '  (help)'}")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", help="broadcast.py --json output of a --trace run")
+    ap.add_argument("--case", help="only runs of this case (equal, slow1, slow2, kill)")
+    ap.add_argument("--bin", type=float, default=2.0, help="seconds per bin (2)")
+    ap.add_argument("--late", type=int, default=20, help="how many of the last host's final chunks to list (20)")
+    args = ap.parse_args(argv)
+    doc = json.loads(Path(args.json).read_text())
+    for run in doc["runs"]:
+        if run.get("tool") != "p2pw" or (args.case and run.get("case") != args.case):
+            continue
+        print(f"{run.get('case')} N={run['n']} {run.get('variant')} run {run.get('rep')}: {run['time']:.2f} s")
+        print(report(run, args.bin, args.late))
+
+
+if __name__ == "__main__":
+    main()
