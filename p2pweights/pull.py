@@ -24,8 +24,10 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
    different chunks and can give each other the rest;
 3. help: chunks of a stripe whose planned source lags behind what
    the other partners hold (``LAG_CHUNKS``), is much slower than the other
-   links (``SLOW_LINK``), holds more than two windows we lack, or was
-   demoted by the tracker once that stripe is all we miss, taken from the
+   links (``SLOW_LINK``), holds more than two windows we lack, was demoted
+   by the tracker once that stripe is all we miss, stalled with nothing
+   arriving since, or has not attached within ``ATTACH_PATIENCE`` of its
+   link opening, taken from the
    partners that hold them: only the cheapest (not slow: demoted by the
    tracker or below ``SLOW_HELPER`` of the typical link; then feeding fewest
    peers through its children, ``downstream``: help from a stripe's root
@@ -69,6 +71,7 @@ PARK_AHEAD = 2  # chunks a planned source is asked for before it holds them (it 
 ENDGAME_LATE = 2.0  # a request this many times later than its link's queue explains is overdue
 ENDGAME_PER_LINK = 2  # endgame duplicates one link carries at once
 SEEDER_PATIENCE = 1.0  # seconds an orphaned chunk no partner holds waits before the seeder serves it
+ATTACH_PATIENCE = 1.0  # seconds a planned source may take to attach before partners help with its stripe
 SEEDER = 0  # rank of the seeder: serves beyond its planned stripes only what no partner holds,
 #             so its uplink carries each chunk about once
 
@@ -89,6 +92,8 @@ class Link:
     bad: int = 0  # chunks that failed verification
     helping: set[int] = field(default_factory=set)  # chunks asked of it to help a lagging stripe
     withdrawn: set[int] = field(default_factory=set)  # chunks cancelled there; a copy already on its way is taken
+    opened: float = 0.0  # when the link was added (attaching since then until its bitfield arrives)
+    starved: bool = False  # its requests stalled and nothing arrived since: its stripes are helped
 
     @property
     def ready(self) -> bool:
@@ -131,7 +136,7 @@ class PullScheduler:
         """A link to partner ``rank`` is opening (nothing is asked of it before ``ready``)."""
         self.dirty = True
         if rank not in self.links:
-            self.links[rank] = Link(rank, self.n, window=self.default_window)
+            self.links[rank] = Link(rank, self.n, window=self.default_window, opened=self.clock())
 
     def ready(self, rank: int, holds) -> None:
         """Partner ``rank`` attached us and holds the chunks set in ``holds``."""
@@ -222,7 +227,7 @@ class PullScheduler:
         link.helping.discard(index)
         self._unask(index, rank)
         busy_since = max(link.last_arrival, asked_at)
-        link.last_arrival = now
+        link.last_arrival, link.starved = now, False
         if not ok:
             link.bad += 1
             return
@@ -284,7 +289,7 @@ class PullScheduler:
         #   backlog with partners around: rarest first, ties apart, so what we take we can give them
         typical = self._typical_rate()
         order = _cheapest_first(self, ready, typical) if any_orphaned else ready  # sharers spread
-        cheapest = _cheapest(self, orphaned, typical)
+        cheapest = _cheapest(self, ready, orphaned, typical)
         for lk in sorted(order, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
             k = lk.free()
             planned = self._planned_mask(lk.rank)
@@ -369,9 +374,10 @@ class PullScheduler:
     def _ask(self, lk: Link, chunks: list[int], out: dict) -> None:
         now = self.clock()
         for i in chunks:
-            for other in self.asked.get(i, ()):  # a parked request moved to a holder
-                self.links[other].outstanding.pop(i, None)
+            for other in self.asked.get(i, ()):  # a parked request moved to a holder: the credit
+                self.links[other].outstanding.pop(i, None)  # it frees there is decided next time
                 self._withdraw(self.links[other], [i])
+                self.dirty = True
             self.movable[i] = False
             self._avail[i] = False
             self.asked[i] = {lk.rank}
@@ -411,8 +417,9 @@ def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
     explains, give them back (and CANCEL them there)."""
     now = sched.clock()
     out = []
-    if (sched.inflight.any() and not sched._wanted().any()) or np.isfinite(sched.orphan_at).any():
-        sched.dirty = True  # the endgame and the seeder's patience depend on time: look again
+    if (sched.inflight.any() and not sched._wanted().any()) or np.isfinite(sched.orphan_at).any() or \
+            any(not lk.ready or any(not lk.holds[i] for i in lk.outstanding) for lk in sched.links.values()):
+        sched.dirty = True  # the endgame, the seeder's, attach and parking patience depend on time: look again
     typical = None
     for lk in sched.links.values():
         if not lk.outstanding:
@@ -431,7 +438,7 @@ def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
                 del lk.outstanding[i]
                 sched._unask(i, lk.rank)
             lk.rate /= 2
-            sched.dirty = True
+            lk.starved = sched.dirty = True
             sched._withdraw(lk, sorted(late))
             out.append((lk.rank, sorted(late)))
     return out
@@ -459,12 +466,14 @@ def _cost(sched: PullScheduler, lk: Link, typical: float) -> tuple[bool, int]:
     return slow, 0 if lk.held >= sched.n else sched.downstream.get(lk.rank, 0)
 
 
-def _cheapest(sched: PullScheduler, wanted: np.ndarray, typical: float) -> tuple[bool, int]:
-    """The lowest ``_cost`` of an attached partner (the seeder aside) that holds some ``wanted``
-    chunk: only partners that cheap help or share, so no stripe's root gives its children's uplink
-    away and no slow uplink is asked while a fast one holds the chunks."""
-    return min((_cost(sched, lk, typical) for lk in sched.links.values()
-                if lk.ready and lk.rank != SEEDER and (wanted & lk.holds).any()), default=(False, 0))
+def _cheapest(sched: PullScheduler, links: list[Link], wanted: np.ndarray, typical: float) -> tuple[bool, int]:
+    """The lowest ``_cost`` of the ``links`` that can be asked now (the seeder aside) and hold some
+    ``wanted`` chunk: only partners that cheap help or share, so no stripe's root gives its
+    children's uplink away and no slow uplink is asked while a fast one holds the chunks.  A
+    partner with no credit free (a planned source whose window waits on chunks it lacks) does not
+    set the bar: it would shut every other holder out."""
+    return min((_cost(sched, lk, typical) for lk in links
+                if lk.free() and lk.rank != SEEDER and (wanted & lk.holds).any()), default=(False, 0))
 
 
 def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, typical: float, out: dict) -> None:
@@ -474,7 +483,7 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, typical:
     ``HELP_WINDOW`` per link and the budget in all."""
     budget = HELP_WINDOW * max(1, len(set(sched.plan))) - sum(
         1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
-    cheapest = _cheapest(sched, lagging & sched._avail, typical)  # what is still to ask
+    cheapest = _cheapest(sched, ready, lagging & sched._avail, typical)  # what is still to ask
     cands = [lk for lk in _cheapest_first(sched, ready, typical)
              if lk.rank != SEEDER and _cost(sched, lk, typical) <= cheapest]
     while budget > 0 and cands:
@@ -501,19 +510,25 @@ def _help_mask(sched: PullScheduler, peers_hold: np.ndarray) -> tuple[np.ndarray
         if src is None:  # gone (given up, or never named): every holder shares the stripe
             lagging = True
             orphaned |= missing & ~sched.inflight
-        elif not src.ready:  # still attaching: wait for it (a silent one is given up, then orphaned)
-            lagging = False
+        elif not src.ready:  # still attaching: wait for it a moment, then let partners help meanwhile
+            lagging = sched.clock() - src.opened > ATTACH_PATIENCE  # (a silent one is given up, then orphaned)
         else:
             others = (peers_hold - (src.holds if rank != SEEDER else 0)) > 0
             lacks = int((missing & others & ~src.holds).sum())
             rates = [lk.rate for lk in sched.links.values() if lk.rate > 0 and lk is not src]
             # a demoted source holds us back once this stripe is all we miss (its pace set the plan's
             # share; the partners done with their own stripes have the uplink to spare now)
-            slow = (rank in sched.slow and not (~sched.have & ~in_stripe).any()) or \
+            slow = (rank in sched.slow and not (~sched.have & ~in_stripe).any()) or src.starved or \
                 (src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * statistics.median(rates))
             # lagging: it lacks what others hold, it is slow, or it holds more than we keep up with
             lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow or \
                 int((missing & src.holds & ~sched.inflight).sum()) > 2 * src.window
+            # parked for a while at a source that still lacks them, though partners hold them: its
+            # window waits on holes it must fill first, so they are taken from the partners
+            now = sched.clock()
+            stuck = [i for i, t in src.outstanding.items() if not src.holds[i] and others[i]
+                     and now - t > STALL_MIN and len(sched.asked[i]) == 1]
+            mask[stuck] = sched.movable[stuck] = True
         if lagging:
             mask |= missing & ~sched.inflight
             if src is not None and src.holds is not None and slow:  # parked at a slow source

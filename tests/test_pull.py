@@ -278,3 +278,47 @@ def test_a_stripe_fed_by_a_slow_source_is_helped_once_it_is_all_we_miss():
             assert 0 < len(got[3]) <= HELP_WINDOW and all(i % 2 == 1 for i in got[3])
         else:
             assert 3 not in got and got[2] == [25, 27]
+
+
+def test_partners_help_a_stripe_whose_planned_source_takes_long_to_attach():
+    # the plan names 1, whose link is open but has not attached (no bitfield yet): for a moment we
+    # wait for it, then partner 2, which holds the stripe, helps until it attaches
+    s, clock = sched(n=32, links={2: "1" * 32}, plan=(1,), window=4)
+    s.add(1)
+    assert asked(s) == {}
+    clock.t = 1.5
+    s.stalled()  # the node's timer: time alone changed what is decided
+    got = asked(s)
+    assert set(got) == {2} and 0 < len(got[2]) <= HELP_WINDOW
+    s.ready(1, bits("1" * 32))
+    assert set(asked(s)) == {1}  # attached: its share is its own again
+
+
+def test_a_planned_source_whose_requests_stalled_is_helped_until_it_delivers_again():
+    # 1 holds the stripe and answers nothing: once its requests stall (given back), its stripe is
+    # lagging and partner 2 helps, though 1 never delivered a chunk to measure a rate on
+    s, clock = sched(n=32, links={1: "1" * 32, 2: "1" * 32}, plan=(1,), window=16)
+    first = asked(s)
+    assert set(first) == {1}
+    clock.t = 20.0
+    assert dict(s.stalled())[1] == first[1]
+    got = asked(s)
+    assert 0 < len(got[2]) <= HELP_WINDOW
+    clock.t = 20.5
+    s.arrived(1, got[1][0], ok=True)  # it delivers again
+    assert not s.links[1].starved
+
+
+def test_requests_parked_long_at_a_source_that_lacks_them_go_to_a_partner_that_holds_them():
+    # 1 (planned) lacks chunks 2 and 3 and its window of 2 waits on them; 2 holds them: after a
+    # moment they are withdrawn from 1 and asked of 2, and 1's window moves on
+    s, clock = sched(n=8, have="11......", links={1: "11..1111", 2: "1" * 8}, plan=(1,), window=2)
+    assert asked(s) == {1: [2, 3]}  # parked ahead: it will forward them when it has them
+    clock.t = 1.0
+    s.stalled()
+    assert asked(s) == {}  # a moment: its own source is about to send them
+    clock.t = 3.0
+    s.stalled()
+    assert sorted(asked(s)[2]) == [2, 3]
+    assert sorted(dict(s.take_cancels())[1]) == [2, 3]
+    assert asked(s) == {1: [4, 5]}
