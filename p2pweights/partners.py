@@ -67,22 +67,20 @@ class Partners:
         n = self.node
         if stripes is not None and stripes != n.pull.stripes:
             n.pull.set_stripes(stripes)
-        plan, want, downstream, slow = [None] * n.pull.stripes, {}, {}, set()
+        plan, want, told = [None] * n.pull.stripes, {}, []  # told: the entries taken, for what they say
         for p in parents:
             if not self._entry_ok(p, stripe=True):
                 continue
             plan[p["stripe"]] = p["rank"]
             want[p["rank"]] = p["addr"] or n.tracker_addr
-            downstream[p["rank"]] = p.get("downstream")
-            if p.get("slow") is True:
-                slow.add(p["rank"])
+            told.append(p)
         for p in partners:
             if self._entry_ok(p) and p["rank"] != n.rank:
                 want.setdefault(p["rank"], p["addr"] or n.tracker_addr)
-                downstream[p["rank"]] = p.get("downstream")
-                if p.get("slow") is True:
-                    slow.add(p["rank"])
-        n.pull.set_downstream({r: d for r, d in downstream.items() if isinstance(d, int) and d >= 0}, slow)
+                told.append(p)
+        downstream = {p["rank"]: p.get("downstream") for p in told}
+        n.pull.set_downstream({r: d for r, d in downstream.items() if isinstance(d, int) and d >= 0},
+                              {p["rank"] for p in told if p.get("slow") is True})
         if [x for x in plan if x is not None] != [x for x in n.pull.plan if x is not None]:
             n.stats.reparented += 1 if self.plan else 0
         self.plan = [{"stripe": s, "rank": r, "addr": want.get(r, "")} for s, r in enumerate(plan) if r is not None]
