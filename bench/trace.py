@@ -47,7 +47,7 @@ def report(run: dict, width: float, late: int) -> str:
     out = [f"  bins of {width:g} s since launch: " + " ".join(f"{b * width:3.0f}" for b in range(bins))]
     sent: dict[str, Counter] = {}
     for h in sorted(got, key=int):
-        slow = run["rates"].get(h, run["rates"].get(int(h))) != run["rates"].get("0", run["rates"].get(0))
+        slow = run["rates"][h] != run["rates"]["0"]  # JSON keys: host numbers as strings
         done = run["reports"][h]["done_at"]
         for s in range(stripes):
             counts = Counter(int(t // width) for t, i, *_ in got[h] if i % stripes == s)

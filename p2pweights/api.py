@@ -532,27 +532,28 @@ def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, st
 def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0.0.0",
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
          connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
-         key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT, cache: ModelCache | None = None,
+         key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT,
          give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None,
-         hf_cache: str | None = None, retry_now: bool = False, trace: bool = False) -> Download:
+         cache: ModelCache | None = None, hf_cache: str | None = None, retry_now: bool = False,
+         trace: bool = False) -> Download:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
-    Returns at once with a ``Download`` whose chunks fill in the background.
-    ``out``: write the checkpoint's files there; they are the store (mapped),
-    each final as soon as it is verified, ``out/.p2pw/complete.json`` once all
-    are; a copy whose marker matches is served at once, unless ``verify='full'``
-    (re-hash what is there).  Without ``out``, the blob lives in memory, or in
-    an unlinked temporary file when larger than ``memory_budget`` bytes
-    (default: half the memory available).  ``model_id``: refuse any other checkpoint.  ``connect_timeout``:
-    how long to keep trying a parent that is not up yet.  ``parent_timeout``: a parent silent this long is
-    given up for another (the tracker names it).  ``give_up_after``: fail once no chunk has arrived from
-    anyone for this long (the seeder and every holder gone); verified chunks stay on disk for a resume.  ``device`` ('cpu', 'cuda:N'): stream verified chunks
-    into one buffer there, for ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.
-    ``key`` (``keys.load(DIR)``): CURVE-encrypt and authenticate every link.
-    ``cache`` (``ModelCache``): without ``out``, the copy goes to (or is found complete in) the cache, which
-    evicts first under its size and remembers repeating failures (``retry_now`` ignores them).  ``hf_cache``
-    (a hub cache directory): the copy in the Hugging Face layout there (``hfcache``).  ``trace``: keep
-    when and from whom each chunk verified (``Download.arrivals``).
+    Returns at once with a ``Download`` whose chunks fill in the background.  ``out``: write the
+    checkpoint's files there; they are the store (mapped), each final as soon as it is verified,
+    ``out/.p2pw/complete.json`` once all are; a copy whose marker matches is served at once, unless
+    ``verify='full'`` (re-hash what is there).  Without ``out``, the blob lives in memory, or in an
+    unlinked temporary file when larger than ``memory_budget`` bytes (default: half the memory
+    available).  ``model_id``: refuse any other checkpoint.  ``connect_timeout``: how long to keep
+    trying a parent that is not up yet.  ``parent_timeout``: a parent silent this long is given up
+    for another (the tracker names it).  ``give_up_after``: fail once no chunk has arrived from
+    anyone for this long (the seeder and every holder gone); verified chunks stay on disk for a
+    resume.  ``device`` ('cpu', 'cuda:N'): stream verified chunks into one buffer there, for
+    ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.  ``key`` (``keys.load(DIR)``):
+    CURVE-encrypt and authenticate every link.  ``cache`` (``ModelCache``): without ``out``, the
+    copy goes to (or is found complete in) the cache, which evicts first under its size and
+    remembers repeating failures (``retry_now`` ignores them).  ``hf_cache`` (a hub cache
+    directory): the copy in the Hugging Face layout there (``hfcache``).  ``trace``: keep when and
+    from whom each chunk verified (``Download.arrivals``).
     """
     started = time.monotonic()
     where = _destination(out, cache, hf_cache)

@@ -484,10 +484,10 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, typical:
     budget = HELP_WINDOW * max(1, len(set(sched.plan))) - sum(
         1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
     cheapest = _cheapest(sched, ready, lagging & sched._avail, typical)  # what is still to ask
-    cands = [lk for lk in _cheapest_first(sched, ready, typical)
+    cands = [lk for lk in sched.rng.sample(ready, len(ready))  # random: ``min`` below keeps the first of equals
              if lk.rank != SEEDER and _cost(sched, lk, typical) <= cheapest]
     while budget > 0 and cands:
-        lk = min(cands, key=lambda x: _eta(x, typical))  # stable: random among equals
+        lk = min(cands, key=lambda x: _eta(x, typical))  # all as cheap: the soonest to deliver
         helping = sum(1 for i in lk.outstanding if i in lk.helping)
         chunks = sched._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping, 1), rarest=True)
         if not chunks:
@@ -507,6 +507,7 @@ def _help_mask(sched: PullScheduler, peers_hold: np.ndarray) -> tuple[np.ndarray
         src = sched.links.get(rank) if rank is not None else None
         in_stripe = sched.in_stripe[s]
         missing = ~sched.have & in_stripe
+        slow = False
         if src is None:  # gone (given up, or never named): every holder shares the stripe
             lagging = True
             orphaned |= missing & ~sched.inflight
@@ -531,7 +532,7 @@ def _help_mask(sched: PullScheduler, peers_hold: np.ndarray) -> tuple[np.ndarray
             mask[stuck] = sched.movable[stuck] = True
         if lagging:
             mask |= missing & ~sched.inflight
-            if src is not None and src.holds is not None and slow:  # parked at a slow source
+            if slow:  # parked at a slow source
                 parked = [i for i in src.outstanding if not src.holds[i] and len(sched.asked[i]) == 1]
                 mask[parked] = True
                 sched.movable[parked] = True

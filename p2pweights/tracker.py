@@ -156,17 +156,17 @@ class Tracker:
         return [live_parent(self.topology, rank, s, alive) for s in range(self.topology.stripes)]
 
     def parent_addrs(self, member: Member) -> list[dict]:
-        return [{"rank": p, "addr": self.listen_of(p), "stripe": s, **self._downstream(p)}
+        return [{"rank": p, "addr": self.listen_of(p), "stripe": s, **self._about(p)}
                 for s, p in enumerate(member.parents)
                 if p is not None]  # None: no planned source there (every slot taken): partners share it
 
     def partner_addrs(self, member: Member) -> list[dict]:
         """Partners, each with ``downstream`` (Forest plans): how many peers its uplink feeds through
         its children, so help is asked first of partners whose uplink holds back nobody further."""
-        return [{"rank": p, "addr": self.listen_of(p), **self._downstream(p)} for p in member.partners
+        return [{"rank": p, "addr": self.listen_of(p), **self._about(p)} for p in member.partners
                 if p in self.members and not self.members[p].left]
 
-    def _downstream(self, rank: int) -> dict:
+    def _about(self, rank: int) -> dict:
         """What a peer is told of a partner: ``downstream``, and ``slow`` once it is demoted (help
         is asked of it last: its uplink is already taken by what the plan gives it)."""
         if not self.placed or rank == ROOT:
