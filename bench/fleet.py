@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,6 +244,7 @@ def _timed(tb: Testbed, model: str, n: int, work: Path, tag: str, seeder, receiv
         "reports": reports,
         "killed": None if not killer else {"host": killer.host, "at_s": killer.at_s, "rx": killer.rx},
         "receivers": receivers,
+        "wall0": wall0,
     }
 
 
@@ -275,6 +277,8 @@ def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = N
         argv += ["--topology", plan]
     if chunk:
         argv += ["--chunk-size", str(chunk)]
+    if trace:
+        argv += ["--log-format", "json"]  # millisecond timestamps, for ``seed_events``
     outs = {h: work / f"{tag}.out{h}" for h in range(1, n + 1)}
     parent = f"{tb.addr(0)}:{P2PW_PORT}"
     try:
@@ -293,6 +297,8 @@ def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = N
     except (OSError, ValueError):
         r["settled"] = {}
     r["blob_size"] = json.loads(ready.read_text()).get("total_size")
+    if trace:
+        r["seed_events"] = seed_events(seed_log, r["wall0"])
     r.update(tool="p2pw", plan=plan or "default")
     r.pop("receivers")
     return r
@@ -305,6 +311,24 @@ def make_torrent(model: str, out: str, piece_size: int) -> dict:
     if cp.returncode != 0:
         raise RunFailed(f"making the torrent failed: {cp.stderr.strip()[-1500:]}")
     return json.loads(cp.stdout.strip().splitlines()[-1])
+
+
+def seed_events(seed_log: Path, wall0: float) -> list[tuple[float, str]]:
+    """The seeder's log lines (``--log-format json``) as (seconds since launch, message): placements,
+    demotions, re-placements, what ``bench/trace.py`` lists beside the chunks."""
+    out = []
+    try:
+        lines = seed_log.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            doc = json.loads(line)
+            ts = datetime.fromisoformat(doc["ts"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError, TypeError):
+            continue
+        out.append((round(ts - wall0, 3), doc.get("message", "")))
+    return out
 
 
 def run_libtorrent(tb: Testbed, model: str, torrent: str, n: int, work: str, *, kill: bool = False,

@@ -13,7 +13,8 @@ rank, planned rank]), prints, in bins of ``--bin`` seconds since launch:
   uplink at full rate sends the same number per bin, so a short bin is
   uplink left idle;
 - the last ``--late`` chunks of the host that finished last: when each
-  arrived and from whom.
+  arrived and from whom;
+- the seeder's log lines (demotions, re-placements), its ranks named as hosts.
 
 Host 0 ("S") is the seeder; hosts are the bed's, ranks the tracker's.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -65,6 +67,13 @@ def report(run: dict, width: float, late: int) -> str:
     out.append(f"  the last {late} chunks of h{last} (finished last):")
     for t, i, src, planned in sorted(got[last])[-late:]:
         out.append(f"    {t:6.2f} s  chunk {i:5d} (stripe {i % stripes})  from h{src}{'' if planned else '  (help)'}")
+    events = run.get("seed_events") or []
+    if events:
+        out.append("  the seeder's log:")
+        host_of = {r["rank"]: h for h, r in run["reports"].items()}
+        for t, msg in events:
+            named = re.sub(r"\brank (\d+)", lambda m: f"rank {m[1]} (h{host_of.get(int(m[1]), '?')})", msg)
+            out.append(f"    {t:6.2f} s  {named}")
     return "\n".join(out) + "\n"
 
 

@@ -12,6 +12,7 @@ and sends what it returns.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
 from . import fleet, protocol
@@ -164,8 +165,9 @@ class TrackerEndpoint:
             return
         self.next_review = now + REVIEW_INTERVAL
         for rank in self.tracker.slow_hosts():
-            log.warning("peer rank %d delivers %.1f MB/s, well below the fleet: it becomes a leaf",
-                        rank, self.tracker.uplinks().get(rank, 0.0) / 1e6)
+            up = self.tracker.uplinks()
+            log.warning("peer rank %d delivers %.1f MB/s, well below the fleet's %.1f (median): it becomes a leaf",
+                        rank, up.get(rank, 0.0) / 1e6, statistics.median(v for r, v in up.items() if r != rank) / 1e6)
         self._announce()
 
     # ----- internals ---------------------------------------------------------
