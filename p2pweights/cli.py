@@ -443,7 +443,8 @@ def _seed_parser(sub) -> None:
                         "also pulls from partners), or binomial, chain, star, kary:K, striped:K, auto "
                         "(picks from --expect), kept to compare against")
     s.add_argument("--expect", type=int, metavar="N", help="peers expected (how --topology auto chooses; default 16)")
-    s.add_argument("--window", type=int, default=8, help="credit window: requests a child keeps outstanding")
+    s.add_argument("--window", type=int, default=2,
+                   help="first credit window of a link, until its rate is measured (then 0.25 s of it, 2-32 chunks)")
     s.add_argument("--exit-after", type=int, default=0, metavar="N", help="exit once N peers are done and gone")
     s.add_argument("--manifest", metavar="M",
                    help="serve at once with this manifest (from p2pw manifest PATH -o M) instead of hashing "
@@ -488,7 +489,8 @@ def _join_parser(sub) -> None:
     j.add_argument("--model-id", help="accept only this model (its id, or at least the first 16 hex digits)")
     j.add_argument("--key", metavar="DIR", help="fleet key directory (p2pw keygen), as given to p2pw seed")
     j.add_argument("--stay", action="store_true", help="keep serving after the download completes")
-    j.add_argument("--window", type=int, default=8)
+    j.add_argument("--window", type=int, default=2,
+                   help="first credit window of a link, until its rate is measured (then 0.25 s of it, 2-32 chunks)")
     j.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep trying the parent")
     j.add_argument("--parent-timeout", type=float, default=5.0,
                    help="seconds of silence after which a partner is given up (a planned one for another)")

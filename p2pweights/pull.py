@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-DEFAULT_WINDOW = 8
+DEFAULT_WINDOW = 2  # a link's credit window until its first chunk measures its rate
 MIN_WINDOW = 2
 MAX_WINDOW = 32
 QUEUE_TIME = 0.25  # seconds of a link's measured rate that its window keeps asked for
