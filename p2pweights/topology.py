@@ -353,22 +353,38 @@ class Forest:
         return _unique(moves)
 
     def _swap_up(self, s: int) -> list[tuple[int, int]]:
+        """A forwarder deeper than a leaf of stripe ``s`` trades places with it.  A forwarder with no
+        planned source there also takes the slot of a demoted host serving a spare leaf, and that leaf
+        is placed again: else a slow first joiner, demoted before the fleet arrived, kept the seeder's
+        slot in ``s`` and every later peer had no planned source there."""
         leaves = [r for r in self.kids[s] if r and not self.interior_in(r, s) and not self.kids[s][r]
                   and self.parent[s].get(r) not in self.spare]  # a demoted host's slot takes no forwarder
         inner = [r for r in self.kids[s] if r and self.interior_in(r, s) and self.slots.get(r)]
         if not leaves or not inner:
-            return []
-        leaf = min(leaves, key=lambda r: (self.depth[s][r], -r))
-        deep = min((r for r in inner if self.depth[s][r] > self.depth[s][leaf]),
-                   key=lambda r: (self.depth[s][r], r), default=None)
+            leaves = []
+        leaf = min(leaves, key=lambda r: (self.depth[s][r], -r), default=None)
+        deep = None if leaf is None else min((r for r in inner if self.depth[s][r] > self.depth[s][leaf]),
+                                             key=lambda r: (self.depth[s][r], r), default=None)
+        moves = []
         if deep is None:
-            return []
+            homeless = min((r for r in inner if self.parent[s][r] is None), default=None)
+            below = self._subtree(homeless, s) if homeless is not None else set()
+            servers = [r for r, g in self.spare.items() if g == s and self.parent[s].get(r) is not None
+                       and self.depth[s][r] < UNPLACED and r not in below]  # not under it: no cycle
+            if homeless is None or not servers:
+                return []
+            leaf, deep = min(servers, key=lambda r: (self.depth[s][r], r)), homeless
+            del self.spare[leaf]
+            for c in sorted(self.kids[s][leaf]):
+                self._detach(c, s)
+                self._attach(c, s, None)
+                moves.append((c, s))
         up, down = self.parent[s][leaf], self.parent[s][deep]
         self._detach(leaf, s)
         self._detach(deep, s)
         self._attach(deep, s, up)
         self._attach(leaf, s, down if down != leaf else deep)
-        return [(deep, s), (leaf, s)]
+        return moves + [(deep, s), (leaf, s)]
 
     def _place_unplaced(self, s: int) -> list[tuple[int, int]]:
         """A peer without a planned source in stripe ``s`` (or under a demoted host's spare slot)

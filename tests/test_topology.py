@@ -236,3 +236,20 @@ def test_tracker_adoptions_move_early_peers_to_their_round_head():
     tr.done(1)
     c, d = tr.join("c", "c:1"), tr.join("d", "d:1")
     assert tr.adoptions(c) == [] and tr.adoptions(d) == [c] and c.parents == [1, 4]
+
+
+@pytest.mark.parametrize("first", [1, 2])
+def test_a_slow_first_joiner_demoted_before_the_fleet_arrives_gives_up_the_seeders_slot(first):
+    # the first joiners hold the seeder's slots; one is found slow and demoted before the others
+    # join: it may serve a leaf in its spare slot, but a forwarder that joins later takes its place
+    # under the seeder, so every peer has a planned source in every stripe
+    f = T.Forest(2)
+    for r in range(1, first + 1):
+        f.place(r)
+    f.demote(1)
+    for r in range(first + 1, 9):
+        f.place(r)
+    for s in range(2):
+        assert all(f.parent[s][r] is not None for r in range(1, 9))
+        assert all(f.parent[s][r] != 1 or f.spare.get(1) == s for r in range(2, 9))  # 1 feeds at most its spare leaf
+        assert 1 not in f.kids[s][0] or not any(f.interior_in(r, s) and f.depth[s][r] > 1 for r in range(2, 9))
