@@ -505,7 +505,7 @@ def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, st
     recovered = cache.recover(store) if cache is not None else []
     for index in recovered:  # chunks an earlier run left on disk: verified again, never fetched again
         node.pull.verified(index)
-    node.attach_tracker(link, tracker_addr, welcome["rank"])
+    node.attach_tracker(link, tracker_addr, welcome["rank"], welcome.get("probe"))
     partners = welcome.get("partners") if isinstance(welcome.get("partners"), list) else []
     node.partners.set_plan(welcome["parents"], partners, welcome["stripes"])
     if cache is not None:

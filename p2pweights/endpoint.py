@@ -17,7 +17,7 @@ import time
 
 from . import fleet, protocol
 from .protocol import MAX_NAME, Msg, ProtocolError
-from .tracker import TrackerError
+from .tracker import PROBE_BYTES, PROBE_MIN_TIME, TrackerError
 
 log = logging.getLogger("p2pw")
 
@@ -41,6 +41,7 @@ class TrackerEndpoint:
         self.fleet: fleet.Fleet = fleet.snapshot(tracker, manifest)  # read by other threads: replaced, never changed
         self.fleet_frame: bytes | None = None  # the STATUS_REPLY payload of ``fleet``, encoded on first ask
         self.changed, self.snapshot_at, self.snapshot_cost = False, clock(), 0.0
+        self.probing: dict[bytes, tuple] = {}  # ident -> (when its last PROBE arrived, fastest padding so far)
 
     def take(self) -> list[tuple[bytes, list]]:
         out, self.out = self.out, []
@@ -81,11 +82,37 @@ class TrackerEndpoint:
         self._send(ident, protocol.control(
             Msg.WELCOME, rank=member.rank, parents=self.tracker.parent_addrs(member),
             partners=self.tracker.partner_addrs(member), stripes=self.tracker.topology.stripes,
-            tracker=self.tracker.root_listen), self.manifest_frame)
+            tracker=self.tracker.root_listen, **({"probe": PROBE_BYTES} if self.tracker.placed and not member.probe
+                                                 else {})), self.manifest_frame)
         for moved in self.tracker.adoptions(member):
             self.tracker.moved.append(moved.rank)
         self._announce(skip=member.rank)
         return True
+
+    def probe(self, ident: bytes, f: dict, size: int) -> None:
+        """PROBE: seq 0 starts the clock, seqs 1 and 2 (``size`` bytes of padding each) each stop and
+        restart it.  The faster of the two is the member's uplink as the tracker saw it (a pause of
+        this loop, or of the machine, stretches one, rarely both); a host far below the others is
+        demoted now."""
+        rank = self.members.get(ident)
+        if rank is None:
+            raise ProtocolError("PROBE from a connection that never joined")
+        now, seq = self.clock(), f["seq"]
+        start, best = self.probing.pop(ident, (None, float("inf")))
+        if seq == 0:
+            self.probing[ident] = (now, float("inf"))
+            return
+        if start is None or seq not in (1, 2) or size < PROBE_BYTES // 2:
+            return  # out of order, or too small to time: no measurement
+        best = min(best, now - start)
+        if seq == 1:
+            self.probing[ident] = (now, best)
+            return
+        for r in self.tracker.probed(rank, size / max(best, 1e-4), long=best >= PROBE_MIN_TIME):
+            log.warning("peer rank %d sent its probe at %.1f MB/s, well below the fleet's %.1f (median): it "
+                        "becomes a leaf", r, self.tracker.members[r].probe / 1e6,
+                        statistics.median(self.tracker.probes) / 1e6)
+        self._announce()
 
     def done(self, ident: bytes, f: dict) -> None:
         rank = self.members.get(ident)
@@ -108,6 +135,7 @@ class TrackerEndpoint:
 
     def bye(self, ident: bytes, f: dict | None = None) -> None:
         """The member left now (BYE), or its connection is gone."""
+        self.probing.pop(ident, None)
         rank = self.members.pop(ident, None)
         if rank is not None:
             self._gone(rank, "left" if f is not None else "disconnected")

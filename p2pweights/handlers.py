@@ -191,7 +191,7 @@ class Handlers:
         n.member.heard_from(n.clock())
         f = event.fields
         if event.type == Msg.WELCOME:  # a restarted tracker took us back
-            n.member.welcomed_again(f["rank"])
+            n.member.welcomed_again(f["rank"], f.get("probe"))
             n.rank = f["rank"]
             self._plan(f)
         elif event.type == Msg.LEAVE_OK:
@@ -256,6 +256,8 @@ class Handlers:
         elif kind in (Msg.HELLO, Msg.STATUS) and n.endpoint is None:
             n.conns[ident].state = "new"
             n._send(ident, protocol.control(Msg.REDIRECT, tracker=n.tracker_addr))
+        elif kind == Msg.PROBE and n.endpoint is not None:
+            n.endpoint.probe(ident, event.fields, len(event.payload))
         elif n.endpoint is not None and kind in n.endpoint.HANDLERS:
             if n.endpoint.HANDLERS[kind](n.endpoint, ident, event.fields) is False:
                 n.conns.pop(ident, None)

@@ -1,7 +1,7 @@
 """Member: a peer's side of its tracker link (the loop's thread only).
 
-What a peer tells the tracker and when: heartbeats with what it holds and the
-rate each partner delivers, ORPHAN for a planned source it gave up, DONE, LEAVE
+What a peer tells the tracker and when: a probe of its uplink when WELCOME
+asks for one, heartbeats with what it holds and the rate each partner delivers, ORPHAN for a planned source it gave up, DONE, LEAVE
 until the tracker lets it go, a new HELLO when the tracker went quiet (it may
 have restarted), and, when nothing arrives from anyone, a line every
 ``WAIT_REPORT`` seconds and the end of the download after ``give_up_after``.
@@ -20,13 +20,14 @@ log = logging.getLogger("p2pw")
 LEAVE_POLL = 0.2
 RETRY_INTERVAL = 1.0  # ORPHAN / HELLO resend while waiting for the tracker
 WAIT_REPORT = 10.0  # seconds between "waiting for ..." lines when nothing arrives
+MAX_PROBE = 1 << 20  # most bytes a WELCOME may ask us to send as a probe (the tracker's message limit)
 
 
 class Membership:
     """The tracker link of one peer, and the reports it sends on it."""
 
     def __init__(self, node, socket: zmq.Socket, addr: str, hello: dict, tracker_timeout: float,
-                 give_up_after: float):
+                 give_up_after: float, probe=None):
         self.node, self.socket, self.addr = node, socket, addr
         self.conn = Connection(CLIENT_TRANSITIONS, "member")
         self.hello_fields = hello  # what we told the tracker when joining, repeated if it restarts
@@ -37,6 +38,7 @@ class Membership:
         self.done_reported = False
         self.lost: dict[int, tuple[str, bool]] = {}  # planned rank given up -> (why, dead), until re-planned
         self.lost_reported: dict[int, float] = {}  # planned rank -> when we last sent ORPHAN for it
+        self.probe_due = _probe_size(probe)  # bytes to send the tracker as a probe at the next tick
 
     def post(self, frame: bytes) -> bool:
         return self.node._post(self.socket, frame)
@@ -49,8 +51,20 @@ class Membership:
     def heard_from(self, now: float) -> None:
         self.heard = now
 
-    def welcomed_again(self, rank: int) -> None:
+    def probe(self) -> None:
+        """Time our uplink for the tracker (WELCOME asked): an empty PROBE, then two of ``probe_due``
+        bytes; it demotes a host whose probe arrives far slower than the others'."""
+        size, self.probe_due = self.probe_due, 0
+        padding = bytes(size)
+        for seq, padding in ((0, b""), (1, padding), (2, padding)):
+            try:
+                self.socket.send_multipart([protocol.control(Msg.PROBE, seq=seq), padding], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def welcomed_again(self, rank: int, probe=None) -> None:
         """A restarted tracker took us back (as ``rank``)."""
+        self.probe_due = _probe_size(probe)
         if self.hello_sent:
             log.warning("tracker %s is back: we are rank %d", self.addr, rank)
         self.hello_sent = 0.0
@@ -59,6 +73,8 @@ class Membership:
     def tick(self, now: float) -> None:
         """Reports due now; nothing from anyone for too long ends the download."""
         node = self.node
+        if self.probe_due:
+            self.probe()
         self._watch_progress(now)
         if now - self.heard > self.tracker_timeout and now - self.hello_sent > RETRY_INTERVAL:
             self.reintroduce(now)
@@ -132,3 +148,8 @@ class Membership:
             except zmq.ZMQError:
                 pass
         self.socket.close(0)
+
+
+def _probe_size(asked) -> int:
+    """The probe size a WELCOME asked for, if it is a sane one (else none is sent)."""
+    return asked if isinstance(asked, int) and not isinstance(asked, bool) and 0 < asked <= MAX_PROBE else 0

@@ -160,10 +160,11 @@ class Node:
 
     # ----- setup ---------------------------------------------------------
 
-    def attach_tracker(self, socket: zmq.Socket, addr: str, rank: int) -> None:
-        """Adopt the (already welcomed) DEALER to the tracker."""
+    def attach_tracker(self, socket: zmq.Socket, addr: str, rank: int, probe=None) -> None:
+        """Adopt the (already welcomed) DEALER to the tracker; ``probe``: bytes WELCOME asked us to send."""
         self.tracker_addr, self.rank = addr, rank
-        self.member = Membership(self, socket, addr, self.hello_fields, self.tracker_timeout, self.give_up_after)
+        self.member = Membership(self, socket, addr, self.hello_fields, self.tracker_timeout, self.give_up_after,
+                                 probe)
         self.poller.register(socket, zmq.POLLIN)
 
     @property

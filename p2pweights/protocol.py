@@ -70,6 +70,8 @@ class Msg(IntEnum):
     CANCEL = 18     # peer -> partner: u32 indices no longer wanted (an endgame duplicate arrived)
     STATUS = 19     # anyone -> tracker, on a fresh connection, no join needed: {}
     STATUS_REPLY = 20  # tracker -> asker: {peers, shown} + fleet JSON frame (fleet.Fleet.to_doc), bounded
+    PROBE = 21      # member -> tracker: {seq} + padding frame: seq 0 empty, then seqs 1 and 2 of the size
+    #                 WELCOME's "probe" asks for; the tracker times their arrival (the member's uplink)
 
 
 # Required JSON fields of each control message and their types.
@@ -90,8 +92,10 @@ SCHEMA: dict[Msg, dict[str, type | tuple]] = {
     Msg.ORPHAN: {"rank": int, "stripe": int, "parent": int, "reason": str},
     Msg.STATUS: {},
     Msg.STATUS_REPLY: {"peers": int, "shown": int},
+    Msg.PROBE: {"seq": int},
 }
-PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1, Msg.ATTACHED: 1, Msg.STATUS_REPLY: 1}  # ATTACHED: the bitfield (packbits)
+# ATTACHED: the bitfield (packbits); PROBE: its padding
+PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1, Msg.ATTACHED: 1, Msg.STATUS_REPLY: 1, Msg.PROBE: 1}
 INDEX_LISTS = (Msg.REQUEST, Msg.HAVE, Msg.CANCEL)  # bodies of u32 chunk indices
 
 
@@ -197,6 +201,7 @@ SERVER_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("member", Msg.HEARTBEAT): "member",
     ("member", Msg.BYE): "new",
     ("member", Msg.ORPHAN): "member",
+    ("member", Msg.PROBE): "member",
     ("child", Msg.REQUEST): "child",
     ("child", Msg.HEARTBEAT): "child",
     ("child", Msg.ATTACH): "child",

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import topology as _topo
 from .endpoint import REVIEW_INTERVAL
-from .tracker import SLOW_EVIDENCE, SLOW_FRACTION
+from .tracker import PROBE_BYTES, PROBE_MIN_TIME, SLOW_EVIDENCE, SLOW_FRACTION
 
 DEFAULT_BUDGET = 200_000  # simulated chunk deliveries before coarsening
 
@@ -189,9 +189,8 @@ def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, 
     on the bed) is left out: on the bed the peers it feeds finish last, their
     stripe arriving at about 0.7 of the others' rate, so the fleet gains no
     time from it, which crediting it here would claim.  On top, each
-    slow host forwards until it is demoted: its first chunk to its k children
-    at its own rate, then ``SLOW_EVIDENCE`` reviews; the uplink the fleet
-    missed meanwhile is made up by the forwarders."""
+    slow host forwards until it is demoted (``_detection``); the uplink the
+    fleet missed meanwhile is made up by the forwarders."""
     median = float(np.median(rate[1:]))
     even = simulate(nodes, size, median / efficiency, chunk, topo.name, latency, window, efficiency, budget)
     fill = even.time_per_peer - size / median
@@ -201,7 +200,7 @@ def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, 
     unplaced = k * max(0, nodes - 1 - n_fast)
     busiest = (size + unplaced * size / k / max(1, n_fast)) / float(np.median(fast)) if n_fast else 0.0
     bulk = max(size / rate[0], (nodes - 1) * size / float(rate[1:].sum()), busiest)
-    detect = [k * chunk / r + SLOW_EVIDENCE * REVIEW_INTERVAL for r in rate[1:][slow]]
+    detect = [_detection(k, chunk, r) for r in rate[1:][slow]]
     missed = sum(d * (median - r) for d, r in zip(detect, rate[1:][slow]))
     delay = missed / float(fast.sum()) if n_fast else 0.0
     times = fill + bulk + delay
@@ -212,6 +211,16 @@ def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, 
                   cpu_s=_time.process_time() - t0,
                   extra={"fill": float(fill.max()), "bulk": float(bulk), "unplaced": unplaced, "detection": float(delay)})
 
+
+
+def _detection(k: int, chunk: int, r: float) -> float:
+    """Seconds a slow host of uplink ``r`` (bytes/s) forwards before the tracker demotes it: its
+    probe at join (two paddings of ``PROBE_BYTES``) where one takes ``PROBE_MIN_TIME`` or more
+    to arrive, else its first chunk to its k children at its own rate, then ``SLOW_EVIDENCE``
+    reviews."""
+    if PROBE_BYTES / r >= PROBE_MIN_TIME:
+        return 2 * PROBE_BYTES / r
+    return k * chunk / r + SLOW_EVIDENCE * REVIEW_INTERVAL
 
 def _with_failures(nodes, size, uplink, chunk, topo, rate, latency, window, budget, dead, t0) -> Result:
     """Each failure splits the broadcast: up to it on one plan, the rest on the re-placed plan."""

@@ -166,24 +166,20 @@ class Striped:
 class Forest:
     """k stripe trees in which every peer is interior in at most one (SplitStream), placed greedily.
 
-    A peer joins group ``g``, the group with the fewest members, and is
-    interior only in stripe tree ``g``, where it has ``k * share`` child slots
-    (``share``: its uplink over the fleet's; 1 unless the tracker knows
-    better), so each child gets 1/k of the model from it and its uplink carries
-    about one copy.  The seeder has one slot per stripe: it sends each chunk
-    once.  In every stripe a newcomer takes the shallowest free slot (a parent
-    of the stripe's group, or the seeder); where none is free, the least
-    loaded one.  When a group member joins, it adopts leaves from overloaded
-    parents of its stripe (``place`` returns those moves).  ``demote`` makes a
-    slow host a leaf everywhere; ``remove`` re-places a departed peer's children.
-    When a stripe has a peer no slot serves while another stripe has a slot
-    free (a demotion leaves 7 forwarders in groups of 4 and 3), a forwarder
-    with a free slot lends it to that stripe: it then forwards in two stripes,
-    still one copy in all (``lent``).  Where no forwarder can lend, a demoted
-    host serves one such peer in that stripe (``spare``): a quarter-rate uplink
-    carries half a stripe, the peer's partners help with the rest, and the
-    demoted host's uplink is not left idle.  Only a leaf of that stripe is
-    placed under it, so a slow uplink never feeds a subtree.
+    A peer joins group ``g``, the group with the fewest members, and is interior
+    only in stripe tree ``g``, with ``k * share`` child slots (``share``: its
+    uplink over the fleet's, 1 unless the tracker knows better), so its uplink
+    carries about one copy.  The seeder has one slot per stripe: it sends each
+    chunk once.  In every stripe a newcomer takes the shallowest free slot;
+    where none is free, the least loaded one.  A group member that joins adopts
+    leaves from overloaded parents of its stripe (``place`` returns the moves).
+    ``demote`` makes a slow host a leaf everywhere; ``remove`` re-places a
+    departed peer's children.  When a stripe has a peer no slot serves while
+    another has a slot free (a demotion leaves groups of 4 and 3), a forwarder
+    with a free slot lends it to that stripe, still one copy in all (``lent``).
+    Where none can lend, a demoted host serves one such peer there (``spare``):
+    its quarter-rate uplink carries half a stripe, the peer's partners help
+    with the rest.  Only a leaf of that stripe is placed under it.
     """
 
     def __init__(self, k: int = 2):
@@ -353,27 +349,23 @@ class Forest:
         return _unique(moves)
 
     def _swap_up(self, s: int) -> list[tuple[int, int]]:
-        """A forwarder deeper than a leaf of stripe ``s`` trades places with it.  A forwarder with no
-        planned source there also takes the slot of a demoted host serving a spare leaf, and that leaf
-        is placed again: else a slow first joiner, demoted before the fleet arrived, kept the seeder's
-        slot in ``s`` and every later peer had no planned source there."""
+        """A forwarder deeper than a leaf of stripe ``s`` trades places with it; one with no planned
+        source there takes the slot of a demoted host serving a spare leaf (placed again): else a
+        slow first joiner, demoted before the fleet came, kept the seeder's slot in ``s``."""
+        inner = [r for r in self.kids[s] if r and self.interior_in(r, s) and self.slots.get(r)]
         leaves = [r for r in self.kids[s] if r and not self.interior_in(r, s) and not self.kids[s][r]
                   and self.parent[s].get(r) not in self.spare]  # a demoted host's slot takes no forwarder
-        inner = [r for r in self.kids[s] if r and self.interior_in(r, s) and self.slots.get(r)]
-        if not leaves or not inner:
-            leaves = []
         leaf = min(leaves, key=lambda r: (self.depth[s][r], -r), default=None)
-        deep = None if leaf is None else min((r for r in inner if self.depth[s][r] > self.depth[s][leaf]),
-                                             key=lambda r: (self.depth[s][r], r), default=None)
+        deep = min((r for r in inner if leaf is not None and self.depth[s][r] > self.depth[s][leaf]),
+                   key=lambda r: (self.depth[s][r], r), default=None)
         moves = []
         if deep is None:
-            homeless = min((r for r in inner if self.parent[s][r] is None), default=None)
-            below = self._subtree(homeless, s) if homeless is not None else set()
-            servers = [r for r, g in self.spare.items() if g == s and self.parent[s].get(r) is not None
-                       and self.depth[s][r] < UNPLACED and r not in below]  # not under it: no cycle
-            if homeless is None or not servers:
+            deep = min((r for r in inner if self.parent[s][r] is None), default=None)
+            below = self._subtree(deep, s) if deep is not None else set()  # never under it: no cycle
+            leaf = min((r for r, g in self.spare.items() if g == s and r not in below
+                        and self.depth[s].get(r, UNPLACED) < UNPLACED), key=lambda r: (self.depth[s][r], r), default=None)
+            if leaf is None or deep is None:
                 return []
-            leaf, deep = min(servers, key=lambda r: (self.depth[s][r], r)), homeless
             del self.spare[leaf]
             for c in sorted(self.kids[s][leaf]):
                 self._detach(c, s)

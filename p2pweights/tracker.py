@@ -5,13 +5,16 @@ stripe tree (the plan: a ``Forest`` placed as peers join, or a rule-based
 topology, skipping parents that have left), and a few partners: other peers
 it may also pull from.  Peers report the rate they get from each partner; a
 host whose uplink delivers well below the fleet's is demoted to a leaf
-(``slow_hosts``).  It records who is done and lets a peer leave only once no
+(``slow_hosts``), and so is one whose probe at join (``PROBE_BYTES`` sent to
+the tracker, timed on arrival: ``probed``) ran well below the others', before
+it forwards anything.  It records who is done and lets a peer leave only once no
 unfinished peer depends on it, so a relay never strands its subtree.  Pure
 state with an injected clock: the endpoint (``endpoint.TrackerEndpoint``) feeds
 it events and sends what it returns.
 """
 from __future__ import annotations
 
+import bisect
 import random
 import statistics
 import time
@@ -25,6 +28,9 @@ PARTNERS = 4  # partners a joiner is given besides its planned parents
 MAX_PARTNERS = 8  # partners one peer is given in all (newcomers also partner with earlier peers)
 SLOW_FRACTION = 0.33  # a host delivering below this share of the fleet's median uplink is demoted
 SLOW_EVIDENCE = 2  # consecutive rate reviews (one per heartbeat, 0.5 s) that must find a host slow before it is demoted
+PROBE_BYTES = 512 << 10  # a joiner sends the tracker this much twice (WELCOME asks); its arrival times the uplink
+PROBE_MIN_TIME = 0.1  # seconds: a probe that took less proves nothing slow (loop and scheduling pauses are shorter)
+PROBE_QUORUM = 5  # probes in before a probe judged against their median is settled (earlier ones are judged again)
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Member:
     have: int = 0  # chunks verified, as last reported
     slow_seen: int = 0  # consecutive reviews that found its uplink slow
     demoted: bool = False
+    probe: float = 0.0  # bytes/s its uplink delivered PROBE_BYTES to the tracker at join (0: not yet)
 
 
 class TrackerError(UserError, ValueError):
@@ -64,6 +71,8 @@ class Tracker:
         self.placed = hasattr(topology, "place")  # a stateful plan (Forest), not a rule of the rank
         self.moved: list[int] = []  # ranks whose plan changed as a side effect, not yet announced
         self.rng = random.Random(0x9E3779B9)
+        self.probes: list[float] = []  # every probe rate in, sorted (their median judges each)
+        self.unsettled: set[int] = set()  # probed before PROBE_QUORUM probes were in: judged again
 
     def alive(self) -> set[int]:
         return {r for r, m in self.members.items() if not m.left}
@@ -274,11 +283,43 @@ class Tracker:
             ref = statistics.median(v for k, v in up.items() if k != r)
             m.slow_seen = m.slow_seen + 1 if rate < SLOW_FRACTION * ref else 0
             if m.slow_seen >= SLOW_EVIDENCE:
-                m.demoted = True
-                self._note(self.topology.demote(r))
-                self.moved.extend(m.partners)  # they learn it feeds nobody further now (``downstream``)
+                self._demote(m)
                 demoted.append(r)
         return demoted
+
+    def probed(self, rank: int, rate: float, long: bool = True) -> list[int]:
+        """``rank``'s probe arrived at ``rate`` bytes/s (``long``: it took ``PROBE_MIN_TIME`` or more):
+        demote the probed hosts whose long probe ran below ``SLOW_FRACTION`` of the probes'
+        median, a slow uplink made a leaf before it forwards
+        anything (a review needs a chunk from it first: at a quarter of 100 Mbit/s, 2-3 s of a
+        stripe held up).  Each is judged on its arrival, and again on every later one until
+        ``PROBE_QUORUM`` probes are in (the first joiners have few to be judged against).  Returns
+        the demoted ranks (their moves are in ``take_moved``)."""
+        m = self.members.get(rank)
+        if m is None or not self.placed or rate <= 0 or m.probe:
+            return []
+        m.probe = rate
+        bisect.insort(self.probes, rate)
+        if long:
+            self.unsettled.add(rank)
+        if len(self.probes) < 3:
+            return []
+        n = len(self.probes)
+        median = (self.probes[(n - 1) // 2] + self.probes[n // 2]) / 2
+        demoted = []
+        for r in sorted(self.unsettled):
+            x = self.members[r]
+            if not x.left and not x.demoted and x.probe < SLOW_FRACTION * median:
+                self._demote(x)
+                demoted.append(r)
+        if n >= PROBE_QUORUM:
+            self.unsettled.clear()
+        return demoted
+
+    def _demote(self, m: Member) -> None:
+        m.demoted = True
+        self._note(self.topology.demote(m.rank))
+        self.moved.extend(m.partners)  # they learn it feeds nobody further now (``downstream``)
 
     def _member(self, rank: int) -> Member:
         try:

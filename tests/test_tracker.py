@@ -225,3 +225,27 @@ def test_forest_keeps_its_invariants_through_random_joins_demotions_and_departur
                         assert p in alive and p not in seen, trial
                         seen.add(p)
                         p = f.parent[s][p]
+
+
+def test_forest_a_host_whose_probe_runs_far_below_the_others_is_a_leaf_before_it_forwards():
+    # the first two joiners are the stripes' roots and one of them is slow: its probe (timed at the
+    # tracker when it joined) is judged once three are in, and again until PROBE_QUORUM are in, so
+    # it is demoted before a review could have seen a chunk from it; a probe too short to time
+    # (on loopback, or at 100 Gbit/s) demotes nobody
+    from p2pweights.tracker import PROBE_QUORUM
+
+    t = forest_tracker(8)
+    f = t.topology
+    slow = 1 if f.kids[f.group[1]][1] else 2
+    rates = {r: (3e6 if r == slow else 12e6) for r in range(1, 9)}
+    got = []
+    for r in [slow, *[r for r in range(1, 9) if r != slow]]:  # its probe comes in first: nobody to judge it by
+        got += t.probed(r, rates[r])
+        if r != slow and len(t.probes) < 3:
+            assert got == []
+    assert got == [slow] and t.members[slow].demoted and f.group[slow] is None
+    assert all(slow not in m.parents for r, m in t.members.items() if r != slow)
+    assert t.probed(slow, 1e3) == []  # one probe per member
+    t2 = forest_tracker(8)
+    assert [r for r in range(1, 9) for _ in t2.probed(r, rates[r], long=False)] == []  # too short to prove slow
+    assert not any(m.demoted for m in t2.members.values()) and len(t2.probes) == 8 >= PROBE_QUORUM
