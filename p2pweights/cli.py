@@ -437,7 +437,7 @@ def _seed_parser(sub) -> None:
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--advertise", help="address peers should use to reach this host (default: the one they used)")
     s.add_argument("--chunk-size", type=size, default=None,
-                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 128 chunks)")
+                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 256 chunks)")
     s.add_argument("--topology", default=None, metavar="PLAN",
                    help="the plan: forest:K (default forest:2: K interior-disjoint stripe trees, every peer "
                         "also pulls from partners), or binomial, chain, star, kary:K, striped:K, auto "
@@ -555,7 +555,7 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("manifest", help="print (or write) the manifest of a checkpoint")
     m.add_argument("path")
     m.add_argument("--chunk-size", type=size, default=None,
-                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 128 chunks)")
+                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 256 chunks)")
     m.add_argument("-o", "--output")
     s3_flags(m)
     m.add_argument("--exclude", action="append", default=[], metavar="GLOB",
@@ -571,7 +571,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--peers", type=int, default=4)
     d.add_argument("--size-mb", type=float, default=256)
     d.add_argument("--chunk-size", type=size, default=None,
-                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 128 chunks)")
+                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 256 chunks)")
     d.add_argument("--workdir", help="keep the model and copies here (default: a temporary directory)")
     d.set_defaults(func=cmd_demo)
 

@@ -108,12 +108,13 @@ def test_bad_chunk_size(tmp_path):
         build(p, 1000)
 
 
-def test_default_chunk_size_keeps_small_checkpoints_at_128_chunks_or_more():
+def test_default_chunk_size_keeps_small_checkpoints_at_256_chunks_or_more():
     MiB = 1 << 20
     assert default_chunk_size(140 << 30) == 4 * MiB
-    assert default_chunk_size(512 * MiB) == 4 * MiB          # 128 chunks of 4 MiB
-    assert default_chunk_size(508 * MiB) == 2 * MiB          # 127 chunks of 4 MiB
-    assert default_chunk_size(268211885) == 2 * MiB          # the 256 MiB bench checkpoint: 128 chunks
+    assert default_chunk_size(1024 * MiB) == 4 * MiB         # 256 chunks of 4 MiB
+    assert default_chunk_size(1020 * MiB) == 2 * MiB         # 255 chunks of 4 MiB
+    assert default_chunk_size(512 * MiB) == 2 * MiB          # 256 chunks of 2 MiB
+    assert default_chunk_size(268211885) == 1 * MiB          # the 256 MiB bench checkpoint: 256 chunks
     assert default_chunk_size(100 * MiB) == 1 * MiB          # never below 1 MiB
     assert default_chunk_size(3) == 1 * MiB
 
