@@ -1,8 +1,9 @@
 """Member: a peer's side of its tracker link (the loop's thread only).
 
 What a peer tells the tracker and when: a probe of its uplink when WELCOME
-asks for one, heartbeats with what it holds and the rate each partner delivers, ORPHAN for a planned source it gave up, DONE, LEAVE
-until the tracker lets it go, a new HELLO when the tracker went quiet (it may
+asks for one, heartbeats with what it holds and the rate each partner
+delivers, ORPHAN for a planned source it gave up, DONE, LEAVE until the
+tracker lets it go, a new HELLO when the tracker went quiet (it may
 have restarted), and, when nothing arrives from anyone, a line every
 ``WAIT_REPORT`` seconds and the end of the download after ``give_up_after``.
 """
@@ -55,8 +56,8 @@ class Membership:
         """Time our uplink for the tracker (WELCOME asked): an empty PROBE, then two of ``probe_due``
         bytes; it demotes a host whose probe arrives far slower than the others'."""
         size, self.probe_due = self.probe_due, 0
-        padding = bytes(size)
-        for seq, padding in ((0, b""), (1, padding), (2, padding)):
+        pad = bytes(size)
+        for seq, padding in ((0, b""), (1, pad), (2, pad)):
             try:
                 self.socket.send_multipart([protocol.control(Msg.PROBE, seq=seq), padding], zmq.NOBLOCK)
             except zmq.Again:

@@ -212,7 +212,6 @@ def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, 
                   extra={"fill": float(fill.max()), "bulk": float(bulk), "unplaced": unplaced, "detection": float(delay)})
 
 
-
 def _detection(k: int, chunk: int, r: float) -> float:
     """Seconds a slow host of uplink ``r`` (bytes/s) forwards before the tracker demotes it: its
     probe at join (two paddings of ``PROBE_BYTES``) where one takes ``PROBE_MIN_TIME`` or more
@@ -221,6 +220,7 @@ def _detection(k: int, chunk: int, r: float) -> float:
     if PROBE_BYTES / r >= PROBE_MIN_TIME:
         return 2 * PROBE_BYTES / r
     return k * chunk / r + SLOW_EVIDENCE * REVIEW_INTERVAL
+
 
 def _with_failures(nodes, size, uplink, chunk, topo, rate, latency, window, budget, dead, t0) -> Result:
     """Each failure splits the broadcast: up to it on one plan, the rest on the re-placed plan."""
