@@ -35,8 +35,9 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
    soonest (its requests there over its rate: an idle fast partner before a
    busy or slow one; ties at random, so requesters spread), rarest first
    among the lowest candidates, at most ``HELP_WINDOW`` per helping link and
-   per planned source in all, so help never crowds out a partner's own
-   children;
+   per planned source in all (twice for a demoted source: its stripe needs
+   about half its chunks from partners), so help never crowds out a
+   partner's own children;
 4. endgame: once nothing is left to ask, each missing chunk may be asked of a
    second holder; the first copy to arrive cancels the other request.
 
@@ -481,7 +482,7 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, typical:
     help goes to the one that would deliver it soonest (``_eta``), ties in random order so
     requesters spread; rarest first among the lowest lagging chunks it holds, at most
     ``HELP_WINDOW`` per link and the budget in all."""
-    budget = HELP_WINDOW * max(1, len(set(sched.plan))) - sum(
+    budget = HELP_WINDOW * (max(1, len(set(sched.plan))) + len(set(sched.plan) & sched.slow)) - sum(
         1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
     cheapest = _cheapest(sched, ready, lagging & sched._avail, typical)  # what is still to ask
     cands = [lk for lk in sched.rng.sample(ready, len(ready))  # random: ``min`` below keeps the first of equals

@@ -322,3 +322,20 @@ def test_requests_parked_long_at_a_source_that_lacks_them_go_to_a_partner_that_h
     assert sorted(asked(s)[2]) == [2, 3]
     assert sorted(dict(s.take_cancels())[1]) == [2, 3]
     assert asked(s) == {1: [4, 5]}
+
+
+def test_a_stripe_fed_by_a_demoted_host_gets_more_help_in_flight():
+    # stripe 1 comes from 2, which the tracker demoted (its quarter-rate uplink serves us from its
+    # spare slot): that stripe needs about half its chunks from partners, so the help budget
+    # counts it twice (6 requests in flight over 3 helpers, not 4)
+    n = 64
+    s, _ = sched(n=n, stripes=2, have="1." * 32, plan=(1, 2), links={r: "1" * n for r in (1, 2, 3, 4, 5)},
+                 window=4)
+    s.set_downstream({r: 0 for r in (1, 2, 3, 4, 5)}, slow={2})
+    for r in (1, 3, 4, 5):
+        s.links[r].rate = 10e6
+    s.links[2].rate, s.links[2].window = 1e6, 2
+    got = asked(s)
+    helped = [i for r in (1, 3, 4, 5) for i in got.get(r, [])]  # stripe 0 is complete: all of it is help
+    assert len(helped) == HELP_WINDOW * 3 and all(i % 2 == 1 for i in helped)
+    assert len(got[2]) == 2 and all(i % 2 == 1 for i in got[2])  # its own share, within its window
