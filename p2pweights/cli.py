@@ -19,6 +19,11 @@ from .errors import UserError
 
 log = logging.getLogger("p2pw")
 
+CHUNK_SIZE_HELP = "chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 256 chunks)"
+FIRST_WINDOW = 2  # pull.DEFAULT_WINDOW, not imported: parsing the command line needs no numpy
+WINDOW_HELP = "first credit window of a link, until its rate is measured (then 0.25 s of it, 2-32 chunks)"
+
+
 def size(text: str) -> int:
     """'4MiB', '4M', '4194304' -> bytes (an argparse type)."""
     from .errors import UserError
@@ -437,14 +442,13 @@ def _seed_parser(sub) -> None:
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--advertise", help="address peers should use to reach this host (default: the one they used)")
     s.add_argument("--chunk-size", type=size, default=None,
-                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 256 chunks)")
+                   help=CHUNK_SIZE_HELP)
     s.add_argument("--topology", default=None, metavar="PLAN",
                    help="the plan: forest:K (default forest:2: K interior-disjoint stripe trees, every peer "
                         "also pulls from partners), or binomial, chain, star, kary:K, striped:K, auto "
                         "(picks from --expect), kept to compare against")
     s.add_argument("--expect", type=int, metavar="N", help="peers expected (how --topology auto chooses; default 16)")
-    s.add_argument("--window", type=int, default=2,
-                   help="first credit window of a link, until its rate is measured (then 0.25 s of it, 2-32 chunks)")
+    s.add_argument("--window", type=int, default=FIRST_WINDOW, help=WINDOW_HELP)
     s.add_argument("--exit-after", type=int, default=0, metavar="N", help="exit once N peers are done and gone")
     s.add_argument("--manifest", metavar="M",
                    help="serve at once with this manifest (from p2pw manifest PATH -o M) instead of hashing "
@@ -489,8 +493,7 @@ def _join_parser(sub) -> None:
     j.add_argument("--model-id", help="accept only this model (its id, or at least the first 16 hex digits)")
     j.add_argument("--key", metavar="DIR", help="fleet key directory (p2pw keygen), as given to p2pw seed")
     j.add_argument("--stay", action="store_true", help="keep serving after the download completes")
-    j.add_argument("--window", type=int, default=2,
-                   help="first credit window of a link, until its rate is measured (then 0.25 s of it, 2-32 chunks)")
+    j.add_argument("--window", type=int, default=FIRST_WINDOW, help=WINDOW_HELP)
     j.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep trying the parent")
     j.add_argument("--parent-timeout", type=float, default=5.0,
                    help="seconds of silence after which a partner is given up (a planned one for another)")
@@ -555,7 +558,7 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("manifest", help="print (or write) the manifest of a checkpoint")
     m.add_argument("path")
     m.add_argument("--chunk-size", type=size, default=None,
-                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 256 chunks)")
+                   help=CHUNK_SIZE_HELP)
     m.add_argument("-o", "--output")
     s3_flags(m)
     m.add_argument("--exclude", action="append", default=[], metavar="GLOB",
@@ -571,7 +574,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--peers", type=int, default=4)
     d.add_argument("--size-mb", type=float, default=256)
     d.add_argument("--chunk-size", type=size, default=None,
-                   help="chunk size (default: 4 MiB, halved down to 1 MiB while the checkpoint has under 256 chunks)")
+                   help=CHUNK_SIZE_HELP)
     d.add_argument("--workdir", help="keep the model and copies here (default: a temporary directory)")
     d.set_defaults(func=cmd_demo)
 

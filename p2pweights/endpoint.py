@@ -89,15 +89,15 @@ class TrackerEndpoint:
         self._announce(skip=member.rank)
         return True
 
-    def probe(self, ident: bytes, f: dict, size: int) -> None:
-        """PROBE: seq 0 starts the clock, seqs 1 and 2 (``size`` bytes of padding each) each stop and
+    def probe(self, ident: bytes, f: dict, padding) -> None:
+        """PROBE: seq 0 starts the clock, seqs 1 and 2 (their ``padding`` frames) each stop and
         restart it.  The faster of the two is the member's uplink as the tracker saw it (a pause of
         this loop, or of the machine, stretches one, rarely both); a host far below the others is
         demoted now."""
         rank = self.members.get(ident)
         if rank is None:
             raise ProtocolError("PROBE from a connection that never joined")
-        now, seq = self.clock(), f["seq"]
+        now, seq, size = self.clock(), f["seq"], len(padding)
         start, best = self.probing.pop(ident, (None, float("inf")))
         if seq == 0:
             self.probing[ident] = (now, float("inf"))
@@ -110,8 +110,7 @@ class TrackerEndpoint:
             return
         for r in self.tracker.probed(rank, size / max(best, 1e-4), long=best >= PROBE_MIN_TIME):
             log.warning("peer rank %d sent its probe at %.1f MB/s, well below the fleet's %.1f (median): it "
-                        "becomes a leaf", r, self.tracker.members[r].probe / 1e6,
-                        statistics.median(self.tracker.probes) / 1e6)
+                        "becomes a leaf", r, self.tracker.members[r].probe / 1e6, self.tracker.probe_median() / 1e6)
         self._announce()
 
     def done(self, ident: bytes, f: dict) -> None:
@@ -192,8 +191,9 @@ class TrackerEndpoint:
         if now < self.next_review:
             return
         self.next_review = now + REVIEW_INTERVAL
-        for rank in self.tracker.slow_hosts():
-            up = self.tracker.uplinks()
+        demoted = self.tracker.slow_hosts()
+        up = self.tracker.uplinks() if demoted else {}  # what they were judged on, for the log
+        for rank in demoted:
             log.warning("peer rank %d delivers %.1f MB/s, well below the fleet's %.1f (median): it becomes a leaf",
                         rank, up.get(rank, 0.0) / 1e6, statistics.median(v for r, v in up.items() if r != rank) / 1e6)
         self._announce()
@@ -221,5 +221,5 @@ class TrackerEndpoint:
             self._send(ident, protocol.control(Msg.REPARENT, parents=self.tracker.parent_addrs(m),
                                                partners=self.tracker.partner_addrs(m)))
 
-    HANDLERS = {Msg.HELLO: hello, Msg.DONE: done, Msg.LEAVE: leave, Msg.BYE: bye, Msg.ORPHAN: orphan,
-                Msg.HEARTBEAT: heartbeat, Msg.STATUS: status}
+    HANDLERS = {Msg.HELLO: hello, Msg.PROBE: probe, Msg.DONE: done, Msg.LEAVE: leave, Msg.BYE: bye,
+                Msg.ORPHAN: orphan, Msg.HEARTBEAT: heartbeat, Msg.STATUS: status}

@@ -256,10 +256,9 @@ class Handlers:
         elif kind in (Msg.HELLO, Msg.STATUS) and n.endpoint is None:
             n.conns[ident].state = "new"
             n._send(ident, protocol.control(Msg.REDIRECT, tracker=n.tracker_addr))
-        elif kind == Msg.PROBE and n.endpoint is not None:
-            n.endpoint.probe(ident, event.fields, len(event.payload))
-        elif n.endpoint is not None and kind in n.endpoint.HANDLERS:
-            if n.endpoint.HANDLERS[kind](n.endpoint, ident, event.fields) is False:
+        elif n.endpoint is not None and kind in n.endpoint.HANDLERS:  # a payload frame goes along (PROBE's)
+            payload = (event.payload,) if kind in protocol.PAYLOAD_FRAMES else ()
+            if n.endpoint.HANDLERS[kind](n.endpoint, ident, event.fields, *payload) is False:
                 n.conns.pop(ident, None)
 
     def on_attach(self, ident: bytes, f: dict) -> None:

@@ -289,12 +289,12 @@ class Tracker:
 
     def probed(self, rank: int, rate: float, long: bool = True) -> list[int]:
         """``rank``'s probe arrived at ``rate`` bytes/s (``long``: it took ``PROBE_MIN_TIME`` or more):
-        demote the probed hosts whose long probe ran below ``SLOW_FRACTION`` of the probes'
-        median, a slow uplink made a leaf before it forwards
-        anything (a review needs a chunk from it first: at a quarter of 100 Mbit/s, 2-3 s of a
-        stripe held up).  Each is judged on its arrival, and again on every later one until
-        ``PROBE_QUORUM`` probes are in (the first joiners have few to be judged against).  Returns
-        the demoted ranks (their moves are in ``take_moved``)."""
+        demote the probed hosts whose long probe ran below ``SLOW_FRACTION`` of the probes' median,
+        so a slow uplink is a leaf before it forwards anything (a review needs a chunk from it
+        first: at a quarter of 100 Mbit/s, 2-3 s of a stripe held up).  Each is judged on its
+        arrival, and again on every later one until ``PROBE_QUORUM`` probes are in (the first
+        joiners have few to be judged against).  Returns the demoted ranks (their moves are in
+        ``take_moved``)."""
         m = self.members.get(rank)
         if m is None or not self.placed or rate <= 0 or m.probe:
             return []
@@ -304,17 +304,21 @@ class Tracker:
             self.unsettled.add(rank)
         if len(self.probes) < 3:
             return []
-        n = len(self.probes)
-        median = (self.probes[(n - 1) // 2] + self.probes[n // 2]) / 2
+        median = self.probe_median()
         demoted = []
         for r in sorted(self.unsettled):
             x = self.members[r]
             if not x.left and not x.demoted and x.probe < SLOW_FRACTION * median:
                 self._demote(x)
                 demoted.append(r)
-        if n >= PROBE_QUORUM:
+        if len(self.probes) >= PROBE_QUORUM:
             self.unsettled.clear()
         return demoted
+
+    def probe_median(self) -> float:
+        """The median of the probe rates in (bytes/s; 0 before any)."""
+        n = len(self.probes)
+        return (self.probes[(n - 1) // 2] + self.probes[n // 2]) / 2 if n else 0.0
 
     def _demote(self, m: Member) -> None:
         m.demoted = True

@@ -144,21 +144,21 @@ def test_probes_time_each_joiner_s_uplink_and_a_slow_one_is_a_leaf_at_once(manif
     ep, clock = endpoint(manifest)
     welcomes = join(ep, 6)
     assert all(e.fields["probe"] == PROBE_BYTES for _, e in welcomes if e.type == Msg.WELCOME)
-    ep.probe(b"id1", {"seq": 2}, PROBE_BYTES)  # no seq 0 first: ignored
-    ep.probe(b"id1", {"seq": 0}, 0)
-    ep.probe(b"id1", {"seq": 1}, 100)  # too small to time: ignored, and the probe starts over
+    ep.probe(b"id1", {"seq": 2}, bytes(PROBE_BYTES))  # no seq 0 first: ignored
+    ep.probe(b"id1", {"seq": 0}, b"")
+    ep.probe(b"id1", {"seq": 1}, bytes(100))  # too small to time: ignored, and the probe starts over
     assert ep.tracker.probes == []
     for r in range(1, 7):
         per = 4 * PROBE_MIN_TIME if r == 2 else PROBE_MIN_TIME  # rank 2's uplink: a quarter of the others'
-        ep.probe(f"id{r}".encode(), {"seq": 0}, 0)
+        ep.probe(f"id{r}".encode(), {"seq": 0}, b"")
         clock.t += per * (3 if r == 4 else 1)  # rank 4's first padding waited on a paused loop
-        ep.probe(f"id{r}".encode(), {"seq": 1}, PROBE_BYTES)
+        ep.probe(f"id{r}".encode(), {"seq": 1}, bytes(PROBE_BYTES))
         clock.t += per
         with caplog.at_level(logging.WARNING, logger="p2pw"):
-            ep.probe(f"id{r}".encode(), {"seq": 2}, PROBE_BYTES)
+            ep.probe(f"id{r}".encode(), {"seq": 2}, bytes(PROBE_BYTES))
     assert [r for r, m in ep.tracker.members.items() if m.demoted] == [2]
     assert "rank 2 sent its probe at" in caplog.text and "becomes a leaf" in caplog.text
     told = {ident for ident, e in sent(ep) if e.type == Msg.REPARENT}
     assert told  # whoever it fed, or partnered, learns its new place
     with pytest.raises(ProtocolError):
-        ep.probe(b"stranger", {"seq": 0}, 0)
+        ep.probe(b"stranger", {"seq": 0}, b"")

@@ -339,3 +339,10 @@ def test_a_stripe_fed_by_a_demoted_host_gets_more_help_in_flight():
     helped = [i for r in (1, 3, 4, 5) for i in got.get(r, [])]  # stripe 0 is complete: all of it is help
     assert len(helped) == HELP_WINDOW * 3 and all(i % 2 == 1 for i in helped)
     assert len(got[2]) == 2 and all(i % 2 == 1 for i in got[2])  # its own share, within its window
+
+
+def test_the_command_line_s_first_window_is_the_scheduler_s():
+    from p2pweights import cli
+    from p2pweights.pull import DEFAULT_WINDOW
+
+    assert cli.FIRST_WINDOW == DEFAULT_WINDOW  # the CLI keeps its own copy to parse without numpy
