@@ -4,6 +4,8 @@ It turns a member's HELLO, DONE, LEAVE, BYE, ORPHAN and HEARTBEAT into calls
 on the ``Tracker`` and returns the messages to send (``(ident, frames)``
 pairs, taken with ``take``): WELCOME with the manifest and the joiner's plan,
 REPARENT to every member whose plan changed, LEAVE_OK / LEAVE_WAIT, ERROR.
+A member told to wait is sent LEAVE_OK the moment its last dependent is done
+or gone (it also asks again now and then).
 It also reviews the reported rates (``review``) and demotes slow hosts, and
 publishes the fleet as an immutable ``fleet.Fleet`` (``publish``) that other
 threads read and STATUS is answered from.  The node only routes frames to it
@@ -42,6 +44,7 @@ class TrackerEndpoint:
         self.fleet_frame: bytes | None = None  # the STATUS_REPLY payload of ``fleet``, encoded on first ask
         self.changed, self.snapshot_at, self.snapshot_cost = False, clock(), 0.0
         self.probing: dict[bytes, tuple] = {}  # ident -> (when its last PROBE arrived, fastest padding so far)
+        self.leaving: dict[int, bytes] = {}  # rank -> ident: told LEAVE_WAIT, let go once nobody depends on it
 
     def take(self) -> list[tuple[bytes, list]]:
         out, self.out = self.out, []
@@ -121,6 +124,7 @@ class TrackerEndpoint:
                 self.tracker.done(rank, seconds=max(self.tracker.clock() - m.joined, 1e-9))
             self.changed = True
             log.info("peer rank %d is done", rank)
+            self._release(m.parents)
 
     def leave(self, ident: bytes, f: dict) -> None:
         rank = self.members.get(ident)
@@ -128,6 +132,10 @@ class TrackerEndpoint:
             raise ProtocolError("LEAVE from a connection that never joined")
         waiting = self.tracker.leave(rank)
         self.changed = True
+        if waiting:
+            self.leaving[rank] = ident
+        else:
+            self.leaving.pop(rank, None)
         self._send(ident, protocol.control(Msg.LEAVE_WAIT, waiting_for=waiting) if waiting
                    else protocol.control(Msg.LEAVE_OK))
         self._announce()
@@ -153,7 +161,7 @@ class TrackerEndpoint:
         log.info("rank %d lost parent rank %d in stripe %d (%s): %s", rank, f["parent"], f["stripe"], f["reason"],
                  "its partners share the stripe" if new is None else f"now under rank {new}")
         self.tracker.moved.append(rank)
-        self._announce()
+        self._release([f["parent"]])
 
     def heartbeat(self, ident: bytes, f: dict) -> None:
         rank = self.members.get(ident)
@@ -201,14 +209,23 @@ class TrackerEndpoint:
     # ----- internals ---------------------------------------------------------
 
     def _gone(self, rank: int, why: str) -> None:
+        self.leaving.pop(rank, None)
         if rank not in self.tracker.members or self.tracker.members[rank].left:
             return
+        parents = list(self.tracker.members[rank].parents)
         moved = self.tracker.gone(rank)
         self.changed = True
         log.info("peer rank %d %s%s", rank, why,
                  f"; re-placing {', '.join(f'rank {r}' for r, _ in moved)}" if moved else "")
         for r, _ in moved:
             self.tracker.moved.append(r)
+        self._release(parents)
+
+    def _release(self, ranks) -> None:
+        """LEAVE_OK to each of ``ranks`` that waits to leave and has no dependent left; then announce."""
+        for rank in set(ranks) & self.leaving.keys():
+            if not self.tracker.leave(rank):
+                self._send(self.leaving.pop(rank), protocol.control(Msg.LEAVE_OK))
         self._announce()
 
     def _announce(self, skip: int | None = None) -> None:

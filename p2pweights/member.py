@@ -18,7 +18,7 @@ from .protocol import CLIENT_TRANSITIONS, Connection, Msg
 
 log = logging.getLogger("p2pw")
 
-LEAVE_POLL = 0.2
+LEAVE_POLL = 1.0  # seconds between LEAVEs while told to wait (the tracker sends LEAVE_OK the moment we may go)
 RETRY_INTERVAL = 1.0  # ORPHAN / HELLO resend while waiting for the tracker
 WAIT_REPORT = 10.0  # seconds between "waiting for ..." lines when nothing arrives
 MAX_PROBE = 1 << 20  # most bytes a WELCOME may ask us to send as a probe (the tracker's message limit)

@@ -120,19 +120,39 @@ def test_heartbeats_with_a_slow_forwarder_demote_it_after_repeated_reviews(manif
         ep.heartbeat(b"id1", {"links": {"x": "y"}})
 
 
-def test_leave_waits_for_dependents_then_status_lists_the_fleet(manifest):
+def test_leave_waits_for_dependents_and_is_let_go_when_the_last_is_done(manifest):
     ep, clock = endpoint(manifest)
     join(ep, 4)
+    fed = sorted(r for r, m in ep.tracker.members.items() if 1 in m.parents)
+    assert fed
     ep.leave(b"id1", {})
     [(ident, e)] = sent(ep)
-    assert ident == b"id1" and e.type in (Msg.LEAVE_WAIT, Msg.LEAVE_OK)
-    for r in range(2, 5):
+    assert ident == b"id1" and e.type == Msg.LEAVE_WAIT and sorted(e.fields["waiting_for"]) == fed
+    others = [r for r in range(2, 5) if r not in fed]
+    for r in others + fed[:-1]:
         ep.done(f"id{r}".encode(), {})
+        assert not [x for x in sent(ep) if x[1].type == Msg.LEAVE_OK]  # someone still pulls from rank 1
+    ep.done(f"id{fed[-1]}".encode(), {})
+    assert [(i, e.type) for i, e in sent(ep) if e.type == Msg.LEAVE_OK] == [(b"id1", Msg.LEAVE_OK)]
+    assert ep.tracker.members[1].left and not ep.leaving
     clock.t += 1.0
     assert ep.publish(clock.t) is not None
     ep.status(b"anyone", {})
     [(ident, e)] = sent(ep)
     assert ident == b"anyone" and e.type == Msg.STATUS_REPLY and e.fields["peers"] == 4
+
+
+def test_a_member_waiting_to_leave_is_let_go_when_its_dependent_disconnects(manifest):
+    ep, _ = endpoint(manifest)
+    join(ep, 4)
+    fed = sorted(r for r, m in ep.tracker.members.items() if 1 in m.parents)
+    for r in range(2, 5):
+        if r != fed[0]:
+            ep.done(f"id{r}".encode(), {})
+    ep.leave(b"id1", {})
+    assert [e.type for _, e in sent(ep)] == [Msg.LEAVE_WAIT]
+    ep.bye(f"id{fed[0]}".encode())  # its connection is gone: nobody depends on rank 1 any more
+    assert (b"id1", Msg.LEAVE_OK) in [(i, e.type) for i, e in sent(ep)]
 
 
 def test_probes_time_each_joiner_s_uplink_and_a_slow_one_is_a_leaf_at_once(manifest, caplog):
