@@ -23,8 +23,8 @@ from .formats import ALIGN
 
 VERSION = 1
 DEFAULT_CHUNK_SIZE = 4 << 20  # measured: see README "Choosing the chunk size"
-SMALLEST_DEFAULT_CHUNK = 1 << 20
-MIN_CHUNKS = 256  # a default chunk is halved (down to 1 MiB) until the blob has this many
+SMALLEST_DEFAULT_CHUNK = 512 << 10
+MIN_CHUNKS = 512  # a default chunk is halved (down to 512 KiB) until the blob has this many
 HASHES = {"xxh3_64": lambda b: xxhash.xxh3_64_hexdigest(b)}
 STRONG_HASHES = ("sha256", "blake2b", "blake3")  # collision-resistant: stop a peer that forges chunks on purpose
 HASH_NAMES = ("xxh3_64", *STRONG_HASHES)
@@ -38,7 +38,7 @@ def default_chunk_size(total: int) -> int:
     ``SMALLEST_DEFAULT_CHUNK`` while the blob of ``total`` bytes has fewer than ``MIN_CHUNKS``.
 
     A tree pays about its depth in chunk-times to fill and to drain, so a small
-    checkpoint is cut finer; anything of 1 GiB or more keeps 4 MiB."""
+    checkpoint is cut finer; anything of 2 GiB or more keeps 4 MiB."""
     size = DEFAULT_CHUNK_SIZE
     while size > SMALLEST_DEFAULT_CHUNK and -(-total // size) < MIN_CHUNKS:
         size //= 2

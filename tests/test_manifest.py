@@ -108,19 +108,19 @@ def test_bad_chunk_size(tmp_path):
         build(p, 1000)
 
 
-def test_default_chunk_size_keeps_small_checkpoints_at_256_chunks_or_more():
+def test_default_chunk_size_keeps_small_checkpoints_at_512_chunks_or_more():
     MiB = 1 << 20
     assert default_chunk_size(140 << 30) == 4 * MiB
-    assert default_chunk_size(1024 * MiB) == 4 * MiB         # 256 chunks of 4 MiB
-    assert default_chunk_size(1020 * MiB) == 2 * MiB         # 255 chunks of 4 MiB
-    assert default_chunk_size(512 * MiB) == 2 * MiB          # 256 chunks of 2 MiB
-    assert default_chunk_size(268211885) == 1 * MiB          # the 256 MiB bench checkpoint: 256 chunks
-    assert default_chunk_size(100 * MiB) == 1 * MiB          # never below 1 MiB
-    assert default_chunk_size(3) == 1 * MiB
+    assert default_chunk_size(2048 * MiB) == 4 * MiB         # 512 chunks of 4 MiB
+    assert default_chunk_size(2040 * MiB) == 2 * MiB         # 510 chunks of 4 MiB
+    assert default_chunk_size(1024 * MiB) == 2 * MiB         # 512 chunks of 2 MiB
+    assert default_chunk_size(268211885) == MiB // 2         # the 256 MiB bench checkpoint: 512 chunks
+    assert default_chunk_size(100 * MiB) == MiB // 2         # never below 512 KiB
+    assert default_chunk_size(3) == MiB // 2
 
 
 def test_build_without_a_chunk_size_takes_the_default_for_its_size(tmp_path):
     p = tmp_path / "w.bin"
     p.write_bytes(os.urandom(3 << 20))
     m, _, _ = build(p)
-    assert m.chunk_size == 1 << 20 and m.n_chunks == 3
+    assert m.chunk_size == 512 << 10 and m.n_chunks == 6
