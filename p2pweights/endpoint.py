@@ -161,7 +161,7 @@ class TrackerEndpoint:
         log.info("rank %d lost parent rank %d in stripe %d (%s): %s", rank, f["parent"], f["stripe"], f["reason"],
                  "its partners share the stripe" if new is None else f"now under rank {new}")
         self.tracker.moved.append(rank)
-        self._release([f["parent"]])
+        self._announce()  # the parent it left may be waiting to leave (``tracker.unparented``)
 
     def heartbeat(self, ident: bytes, f: dict) -> None:
         rank = self.members.get(ident)
@@ -222,14 +222,17 @@ class TrackerEndpoint:
         self._release(parents)
 
     def _release(self, ranks) -> None:
-        """LEAVE_OK to each of ``ranks`` that waits to leave and has no dependent left; then announce."""
-        for rank in set(ranks) & self.leaving.keys():
-            if not self.tracker.leave(rank):
-                self._send(self.leaving.pop(rank), protocol.control(Msg.LEAVE_OK))
+        """``ranks`` lost a dependent (it is done or gone): let go those waiting to leave; announce."""
+        self.tracker.unparented.update(ranks)
         self._announce()
 
     def _announce(self, skip: int | None = None) -> None:
-        """Tell every member whose parents or partners changed (REPARENT)."""
+        """LEAVE_OK to each member waiting to leave that lost its last dependent (done, gone, or moved
+        by a plan change); then tell every member whose parents or partners changed (REPARENT)."""
+        while ready := self.tracker.take_unparented() & self.leaving.keys():
+            for rank in sorted(ready):
+                if not self.tracker.leave(rank):  # letting it go may move its children: look again
+                    self._send(self.leaving.pop(rank), protocol.control(Msg.LEAVE_OK))
         for rank in self.tracker.take_moved():
             ident = self.ident_of(rank)
             if ident is None or rank == skip:

@@ -70,6 +70,7 @@ class Tracker:
         self.by_peer_id: dict[str, int] = {}
         self.placed = hasattr(topology, "place")  # a stateful plan (Forest), not a rule of the rank
         self.moved: list[int] = []  # ranks whose plan changed as a side effect, not yet announced
+        self.unparented: set[int] = set()  # ranks some peer stopped pulling from (a plan change), not yet taken
         self.rng = random.Random(0x9E3779B9)
         self.probes: list[float] = []  # every probe rate in, sorted (their median judges each)
         self.unsettled: set[int] = set()  # probed before PROBE_QUORUM probes were in: judged again
@@ -129,9 +130,15 @@ class Tracker:
         for rank, stripe in moves:
             m = self.members.get(rank)
             if m is not None and not m.left:
+                self.unparented.add(m.parents[stripe])
                 m.parents[stripe] = self.topology.parent[stripe][rank]
                 if not m.done:  # a done peer pulls nothing: no need to tell it
                     self.moved.append(rank)
+
+    def take_unparented(self) -> set[int]:
+        """Ranks that lost a dependent to a plan change since the last call (one waiting to leave may go)."""
+        out, self.unparented = self.unparented, set()
+        return out
 
     def take_moved(self) -> list[int]:
         """Ranks whose parents or partners changed since the last call (each must be told)."""
@@ -153,6 +160,7 @@ class Tracker:
             m = self.members.get(child)
             if m is None or m.left or m.done or m.parents[stripe] == member.rank:
                 continue
+            self.unparented.add(m.parents[stripe])
             m.parents[stripe] = member.rank
             if m not in moved:
                 moved.append(m)
@@ -242,6 +250,7 @@ class Tracker:
             if self.placed:
                 self._note([self.topology.move(rank, stripe, avoid=parent)])
             else:
+                self.unparented.add(parent)
                 m.parents[stripe] = self._ancestor(parent, stripe) if parent != ROOT else ROOT
         return m.parents[stripe]
 
@@ -334,3 +343,4 @@ class Tracker:
     def tree(self) -> dict[int, list[int]]:
         """Rank -> parent ranks, for every peer that joined."""
         return {r: list(m.parents) for r, m in self.members.items()}
+

@@ -155,6 +155,22 @@ def test_a_member_waiting_to_leave_is_let_go_when_its_dependent_disconnects(mani
     assert (b"id1", Msg.LEAVE_OK) in [(i, e.type) for i, e in sent(ep)]
 
 
+def test_a_member_waiting_to_leave_is_let_go_when_a_plan_change_moves_its_dependent(manifest):
+    ep, _ = endpoint(manifest)
+    join(ep, 8)
+    leaver, (dep, stripe) = next((x, (r, s)) for x in range(1, 9) for r, m in ep.tracker.members.items()
+                                 for s, p in enumerate(m.parents) if p == x)
+    for r in ep.tracker.dependents(leaver):
+        if r != dep:
+            ep.done(f"id{r}".encode(), {})
+    sent(ep)
+    ep.leave(f"id{leaver}".encode(), {})
+    assert [e.type for _, e in sent(ep)] == [Msg.LEAVE_WAIT]
+    ep.orphan(f"id{dep}".encode(), {"rank": dep, "stripe": stripe, "parent": leaver, "reason": "slow"})
+    assert leaver not in ep.tracker.members[dep].parents
+    assert (f"id{leaver}".encode(), Msg.LEAVE_OK) in [(i, e.type) for i, e in sent(ep)]
+
+
 def test_probes_time_each_joiner_s_uplink_and_a_slow_one_is_a_leaf_at_once(manifest, caplog):
     # WELCOME asks each joiner for a probe; each sends seq 0 then two paddings, and the faster
     # padding times its uplink (a loop pause stretches one of them, rarely both).  Out-of-order or
