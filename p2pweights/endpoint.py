@@ -4,8 +4,8 @@ It turns a member's HELLO, DONE, LEAVE, BYE, ORPHAN and HEARTBEAT into calls
 on the ``Tracker`` and returns the messages to send (``(ident, frames)``
 pairs, taken with ``take``): WELCOME with the manifest and the joiner's plan,
 REPARENT to every member whose plan changed, LEAVE_OK / LEAVE_WAIT, ERROR.
-A member told to wait is sent LEAVE_OK the moment its last dependent is done
-or gone (it also asks again now and then).
+A member told to wait is sent LEAVE_OK the moment its last dependent is done,
+gone, or moved elsewhere by a plan change (it also asks again each second).
 It also reviews the reported rates (``review``) and demotes slow hosts, and
 publishes the fleet as an immutable ``fleet.Fleet`` (``publish``) that other
 threads read and STATUS is answered from.  The node only routes frames to it

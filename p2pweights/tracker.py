@@ -343,4 +343,3 @@ class Tracker:
     def tree(self) -> dict[int, list[int]]:
         """Rank -> parent ranks, for every peer that joined."""
         return {r: list(m.parents) for r, m in self.members.items()}
-
