@@ -124,7 +124,7 @@ class TrackerEndpoint:
                 self.tracker.done(rank, seconds=max(self.tracker.clock() - m.joined, 1e-9))
             self.changed = True
             log.info("peer rank %d is done", rank)
-            self._release(m.parents)
+            self._announce()  # whom it pulled from may be waiting to leave (``tracker.unparented``)
 
     def leave(self, ident: bytes, f: dict) -> None:
         rank = self.members.get(ident)
@@ -212,18 +212,12 @@ class TrackerEndpoint:
         self.leaving.pop(rank, None)
         if rank not in self.tracker.members or self.tracker.members[rank].left:
             return
-        parents = list(self.tracker.members[rank].parents)
         moved = self.tracker.gone(rank)
         self.changed = True
         log.info("peer rank %d %s%s", rank, why,
                  f"; re-placing {', '.join(f'rank {r}' for r, _ in moved)}" if moved else "")
         for r, _ in moved:
             self.tracker.moved.append(r)
-        self._release(parents)
-
-    def _release(self, ranks) -> None:
-        """``ranks`` lost a dependent (it is done or gone): let go those waiting to leave; announce."""
-        self.tracker.unparented.update(ranks)
         self._announce()
 
     def _announce(self, skip: int | None = None) -> None:

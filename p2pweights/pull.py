@@ -482,7 +482,8 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, typical:
     help goes to the one that would deliver it soonest (``_eta``), ties in random order so
     requesters spread; rarest first among the lowest lagging chunks it holds, at most
     ``HELP_WINDOW`` per link and the budget in all."""
-    budget = HELP_WINDOW * (max(1, len(set(sched.plan))) + len(set(sched.plan) & sched.slow)) - sum(
+    planned = set(sched.plan)
+    budget = HELP_WINDOW * (max(1, len(planned)) + len(planned & sched.slow)) - sum(
         1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
     cheapest = _cheapest(sched, ready, lagging & sched._avail, typical)  # what is still to ask
     cands = [lk for lk in sched.rng.sample(ready, len(ready))  # random: ``min`` below keeps the first of equals

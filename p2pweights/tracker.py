@@ -70,7 +70,7 @@ class Tracker:
         self.by_peer_id: dict[str, int] = {}
         self.placed = hasattr(topology, "place")  # a stateful plan (Forest), not a rule of the rank
         self.moved: list[int] = []  # ranks whose plan changed as a side effect, not yet announced
-        self.unparented: set[int] = set()  # ranks some peer stopped pulling from (a plan change), not yet taken
+        self.unparented: set[int] = set()  # ranks a peer stopped pulling from (done, gone, moved), not yet taken
         self.rng = random.Random(0x9E3779B9)
         self.probes: list[float] = []  # every probe rate in, sorted (their median judges each)
         self.unsettled: set[int] = set()  # probed before PROBE_QUORUM probes were in: judged again
@@ -136,7 +136,8 @@ class Tracker:
                     self.moved.append(rank)
 
     def take_unparented(self) -> set[int]:
-        """Ranks that lost a dependent to a plan change since the last call (one waiting to leave may go)."""
+        """Ranks that lost a dependent (done, gone, or moved by a plan change) since the last call:
+        one waiting to leave may go now."""
         out, self.unparented = self.unparented, set()
         return out
 
@@ -194,6 +195,7 @@ class Tracker:
     def done(self, rank: int, seconds: float | None = None) -> None:
         m = self._member(rank)
         m.done, m.seconds = True, seconds
+        self.unparented.update(m.parents)  # it pulls from them no more
 
     def dependents(self, rank: int) -> list[int]:
         """Unfinished peers that pull from ``rank`` in some stripe."""
@@ -214,6 +216,7 @@ class Tracker:
         Re-attaches its direct dependents to their nearest live ancestor (their own
         subtrees stay under them) and returns them as (rank, stripe) pairs to notify."""
         was_left, self._member(rank).left = self._member(rank).left, True
+        self.unparented.update(self._member(rank).parents)  # it pulls from them no more
         for m in self.members.values():
             if rank in m.partners:
                 m.partners.remove(rank)
