@@ -51,7 +51,7 @@ class Handlers:
             handler = lambda s, link=link: self.on_link(link)  # noqa: E731
         deadline = n.clock() + DRAIN_SECONDS
         for _ in range(DRAIN):
-            if sock.closed or not sock.poll(0, zmq.POLLIN):  # a handler may close it (partner given up)
+            if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # a handler may close it (partner given up)
                 return
             handler(sock)
             if n.clock() > deadline:

@@ -150,20 +150,28 @@ class PullScheduler:
         self.holders += link.holds
 
     def has(self, rank: int, indices) -> None:
-        """Partner ``rank`` verified ``indices`` (a HAVE)."""
-        self.dirty = True
+        """Partner ``rank`` verified ``indices`` (a HAVE).
+
+        Most HAVEs name chunks we hold or have asked for already: they change no decision now, so
+        they do not make ``requests`` decide again (the next arrival or timer does, with them
+        counted).  One that offers a chunk still to ask, holds what is parked there, or completes
+        the partner (it then costs less to ask) does."""
         link = self.links.get(rank)
         if link is None or link.holds is None:
             return
-        idx = np.asarray(indices, dtype=np.int64)
-        new = np.unique(idx[~link.holds[idx]])
-        link.holds[new] = True
-        link.held += int(new.size)
-        np.add.at(self.holders, new, 1)
-        now = self.clock()
-        for i in new.tolist():  # parked there until now: its service starts now (for the rate)
-            if i in link.outstanding:
-                link.outstanding[i] = now
+        holds, outstanding, now = link.holds, link.outstanding, self.clock()
+        for i in indices:  # a HAVE names a few chunks: a plain loop beats numpy's per-call cost
+            if not holds[i]:
+                holds[i] = True
+                link.held += 1
+                self.holders[i] += 1
+                if i in outstanding:  # parked there until now: its service starts now (for the rate)
+                    outstanding[i] = now
+                    self.dirty = True
+                elif not (self.have[i] or self.inflight[i]):
+                    self.dirty = True
+        if link.held >= self.n:
+            self.dirty = True
 
     def drop(self, rank: int) -> list[int]:
         """Forget partner ``rank`` (gone or given up); its requests are free to ask elsewhere."""
@@ -278,6 +286,8 @@ class PullScheduler:
         self.dirty = False
         out: dict[int, list[int]] = {}
         ready = [lk for lk in self.links.values() if lk.ready and lk.free()]
+        if not ready:  # every credit is taken: nothing can be asked until one frees (which sets dirty)
+            return []
         if self.urgent.any():  # 1. waiters first, from whoever holds them
             self._avail = ~self.have & (~self.inflight | self.movable)  # what a pick may take (``_ask`` clears)
             for lk in ready:
