@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .errors import P2PError
-from .store import StoreClosed
+from .store import ANY_CHUNK, StoreClosed
 
 # safetensors dtype -> torch dtype attribute (those this torch has)
 TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "C64": "complex64",
@@ -97,7 +97,7 @@ class HostSink:
         """Block until more chunks are usable than ``seen`` (or ``timeout``)."""
         with self.store.cond:
             if self.store.count == seen and not self.store.error:
-                self.store.cond.wait(timeout if timeout is not None else 1.0)
+                self.store.sleep_until(ANY_CHUNK, timeout if timeout is not None else 1.0)
 
     def close(self) -> None:
         pass

@@ -199,6 +199,9 @@ def host_buffer(size: int):
     return buf
 
 
+ANY_CHUNK = -1  # ``Store.sleep_until``: wake at the next chunk verified, whichever it is
+
+
 class StoreClosed(RuntimeError):
     """The download this store belongs to ended with an error or was closed."""
 
@@ -219,6 +222,7 @@ class Store:
         self.count = 0
         self.bytes = 0
         self.cond = threading.Condition()
+        self.watched: dict[int, int] = {}  # chunk (or ANY_CHUNK) -> threads to wake when it is verified
         self.error: str | None = None
         self.sinks: list = []
         self.first_at: float | None = None  # monotonic time the first chunk was verified
@@ -273,7 +277,8 @@ class Store:
             self.first_at = self.first_at or now
             if self.complete:
                 self.done_at = now
-            self.cond.notify_all()
+            if self.watched and (index in self.watched or ANY_CHUNK in self.watched or self.complete):
+                self.cond.notify_all()  # only a waiter for this chunk: waking all per chunk costs the loop the GIL
 
     def close(self) -> None:
         """Unmap the backing now if no view of it is still in use (else when the last one goes)."""
@@ -300,19 +305,34 @@ class Store:
             self.cond.notify_all()
 
     def wait_chunks(self, indices, timeout: float | None = None) -> bool:
-        """Block until every chunk in ``indices`` is verified; False on timeout, StoreClosed on failure."""
+        """Block until every chunk in ``indices`` is verified; False on timeout, StoreClosed on failure.
+
+        It sleeps until the highest chunk still missing is verified (chunks arrive near blob order,
+        so that is about the last), not at every chunk: a wait for the whole blob wakes a few times,
+        not once per chunk."""
         indices = np.asarray(list(indices), dtype=np.int64)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
             while True:
                 if self.error:
                     raise StoreClosed(self.error)
-                if indices.size == 0 or self.have[indices].all():
+                missing = indices[~self.have[indices]] if indices.size else indices
+                if missing.size == 0:
                     return True
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self.cond.wait(left if left is not None else 1.0)
+                self.sleep_until(int(missing[-1]), left if left is not None else 1.0)
+
+    def sleep_until(self, index: int, timeout: float) -> None:
+        """Wait on ``cond`` (held) until chunk ``index`` (or ``ANY_CHUNK``) is verified, a failure, or ``timeout``."""
+        self.watched[index] = self.watched.get(index, 0) + 1
+        try:
+            self.cond.wait(timeout)
+        finally:
+            self.watched[index] -= 1
+            if not self.watched[index]:
+                del self.watched[index]
 
 
 class SourceStore(Store):

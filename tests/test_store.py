@@ -223,3 +223,36 @@ def test_file_map_where_pages_do_not_fit_the_layout(tmp_path):
             FileMap(100 + 5000, [(fd, 100, 5000)], writable=True)
     finally:
         os.close(fd)
+
+
+def test_waiters_return_when_their_chunks_are_verified_in_any_order(src):
+    """A waiter sleeps until the highest chunk it still misses lands, then looks again: chunks that
+    land out of order (the highest first) still end every wait, and a wait for chunks already held
+    returns at once."""
+    import threading
+
+    m, _, _ = build(src, CHUNK)
+    store = Store(m)
+    data = blob(src, m)
+    n = m.n_chunks
+    assert n >= 4
+    results = {}
+
+    def wait(name, indices):
+        results[name] = store.wait_chunks(indices, timeout=30)
+
+    waiters = [threading.Thread(target=wait, args=("all", range(n))),
+               threading.Thread(target=wait, args=("first two", [0, 1]))]
+    for t in waiters:
+        t.start()
+    fill(store, data, [n - 1, 1])  # the highest first: both waiters look again and wait on
+    time.sleep(0.05)
+    assert results == {}
+    fill(store, data, [0])
+    waiters[1].join(10)
+    assert results == {"first two": True}
+    fill(store, data, range(2, n - 1))
+    waiters[0].join(10)
+    assert results == {"first two": True, "all": True}
+    assert store.wait_chunks([0, n - 1], timeout=0)
+    assert store.watched == {}
