@@ -162,9 +162,9 @@ class DiskCache:
         self.chunks_done = self.bytes_done = 0
         # writeback starts as chunks verify (``_write_back``), so dirty pages never fill memory and the disk
         # works during the transfer, not after it: each file's fsync, and the join's exit, then wait for little
-        self.unflushed: list[int] = []
+        self.unflushed: list[int] = []  # verified, not yet handed to the finisher (``put``, on the loop)
         self.unflushed_bytes = 0
-        self.left_total = manifest.n_chunks
+        self.left_total = manifest.n_chunks  # chunks not yet handed to the finisher
         self.thread: threading.Thread | None = None  # the finisher (none for a copy complete at the start)
         if verify == "marker" and self._marker_matches():
             self.complete = True
@@ -292,7 +292,12 @@ class DiskCache:
             return
         self.chunks_done += 1
         self.bytes_done += len(data)
-        self.queue.put(("chunk", index))
+        self.unflushed.append(index)  # handed to the finisher WRITE_BACK_EVERY bytes at a time, not per chunk:
+        self.unflushed_bytes += len(data)  # each hand-over wakes its thread, which takes the GIL from the loop
+        if self.unflushed_bytes >= WRITE_BACK_EVERY or len(self.unflushed) >= self.left_total:
+            self.left_total -= len(self.unflushed)
+            self.queue.put(("chunks", self.unflushed))
+            self.unflushed, self.unflushed_bytes = [], 0
         for i in self.chunk_files[index]:
             self.left[i] -= 1
             if self.left[i] == 0:
@@ -310,7 +315,7 @@ class DiskCache:
                 if item is None:
                     return
                 kind, n = item
-                if kind == "chunk":
+                if kind == "chunks":
                     self._write_back(n)
                 elif kind == "file":
                     self._finish_file(n)
@@ -328,14 +333,10 @@ class DiskCache:
         self.close()
         self.finished.set()
 
-    def _write_back(self, index: int) -> None:
-        """Start writeback (not waiting for it) of verified chunks, WRITE_BACK_EVERY bytes at a time."""
-        self.unflushed.append(index)
-        self.unflushed_bytes += self.manifest.chunk_size
-        if self.unflushed_bytes < WRITE_BACK_EVERY and self.left_total > len(self.unflushed):
-            return
+    def _write_back(self, chunks: list[int]) -> None:
+        """Start writeback (not waiting for it) of verified ``chunks`` (WRITE_BACK_EVERY bytes of them)."""
         ranges: dict[int, list[list[int]]] = {}  # file -> merged [a, b) ranges in file offsets
-        for index in sorted(self.unflushed):
+        for index in sorted(chunks):
             lo, hi = self.manifest.chunk_span(index)
             for i in self.chunk_files[index]:
                 f = self.manifest.files[i]
@@ -345,8 +346,6 @@ class DiskCache:
                     spans[-1][1] = b
                 elif b > a:
                     spans.append([a, b])
-        self.left_total -= len(self.unflushed)
-        self.unflushed, self.unflushed_bytes = [], 0
         for i, spans in ranges.items():
             fd = self.fds.get(i)
             for a, b in spans if fd is not None else ():
