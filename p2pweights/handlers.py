@@ -25,6 +25,8 @@ MAX_BAD_FROM_PARENT = 4  # chunks failing verification before a partner is given
 DRAIN = 64  # messages taken from one socket per poll
 DRAIN_SECONDS = 0.02  # and at most this long, so timers (heartbeats) keep their pace under load
 READY = struct.Struct("<I?")  # read-ahead -> loop: chunk index, matched the manifest
+# pyzmq's constants are enums; as ints they cost no enum arithmetic on every message
+EVENTS, POLLIN, RCVMORE, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE), int(zmq.NOBLOCK)
 
 
 class Handlers:
@@ -51,7 +53,7 @@ class Handlers:
             handler = lambda s, link=link: self.on_link(link)  # noqa: E731
         deadline = n.clock() + DRAIN_SECONDS
         for _ in range(DRAIN):
-            if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # a handler may close it (partner given up)
+            if sock.closed or not sock.getsockopt(EVENTS) & POLLIN:  # a handler may close it (partner given up)
                 return
             handler(sock)
             if n.clock() > deadline:
@@ -83,9 +85,9 @@ class Handlers:
         sock = link.socket
         link.last_heard = n.clock()
         try:
-            event = protocol.decode_header(sock.recv(zmq.NOBLOCK))
+            event = protocol.decode_header(sock.recv(NOBLOCK))
             if event.type == Msg.CHUNK:
-                if not sock.getsockopt(zmq.RCVMORE):
+                if not sock.getsockopt(RCVMORE):
                     raise ProtocolError("CHUNK without its payload frame")
                 link.conn.receive(event)
                 self.on_chunk(link, event.indices[0])
@@ -101,7 +103,7 @@ class Handlers:
     @staticmethod
     def _rest(sock) -> list:
         rest = []
-        while sock.getsockopt(zmq.RCVMORE):
+        while sock.getsockopt(RCVMORE):
             rest.append(sock.recv(copy=False))
         return rest
 
@@ -311,5 +313,5 @@ def _child(f: dict) -> Child:
 
 
 def _discard_rest(sock) -> None:
-    while sock.getsockopt(zmq.RCVMORE):
+    while sock.getsockopt(RCVMORE):
         sock.recv_into(bytearray())

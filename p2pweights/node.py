@@ -43,6 +43,7 @@ TRACKER_TIMEOUT = 10.0  # a tracker silent this long is re-introduced to (it may
 IDLE_FORGET = 60.0  # a quiet connection that is neither partner nor member is forgotten after this long
 GIVE_UP_AFTER = 300.0  # seconds with nothing to fetch from anyone before a join fails
 SEND_BUDGET = 256  # chunks handed to ZeroMQ per loop turn
+NOBLOCK = int(zmq.NOBLOCK)  # an int: pyzmq ORs SNDMORE into the flags per frame, and as an enum that costs
 ROUTER_MAX_MSG = 1 << 20
 
 
@@ -277,14 +278,14 @@ class Node:
         would block; dropping is right for these messages (requests are re-asked,
         heartbeats and reports are repeated)."""
         try:
-            sock.send(frame, zmq.NOBLOCK)
+            sock.send(frame, NOBLOCK)
             return True
         except zmq.Again:
             return False
 
     def _send(self, ident: bytes, *frames, copy=True) -> bool:
         try:
-            self.router.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=copy)
+            self.router.send_multipart([ident, *frames], flags=NOBLOCK, copy=copy)
             return True
         except zmq.Again:
             return False

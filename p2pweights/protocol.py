@@ -139,6 +139,9 @@ def chunk_header(index: int) -> bytes:
     return _header(Msg.CHUNK) + INDEX.pack(index)
 
 
+MSG_OF = {int(m): m for m in Msg}  # a dict lookup: ``Msg(value)`` costs microseconds a message
+
+
 def decode_header(frame: bytes) -> Event:
     """Decode a header frame into an Event (payload not attached); ProtocolError if malformed."""
     if len(frame) < HEADER.size:
@@ -148,10 +151,9 @@ def decode_header(frame: bytes) -> Event:
         raise ProtocolError(f"bad magic {magic!r}: not a p2pweights peer")
     if version != PROTOCOL_VERSION:
         raise VersionMismatch(f"protocol version {version} is not supported (this p2pw speaks {PROTOCOL_VERSION})")
-    try:
-        kind = Msg(kind)
-    except ValueError:
-        raise ProtocolError(f"unknown message type {kind}") from None
+    kind = MSG_OF.get(kind, kind)
+    if not isinstance(kind, Msg):
+        raise ProtocolError(f"unknown message type {kind}")
     body = memoryview(frame)[HEADER.size:]
     if kind in INDEX_LISTS:
         if len(body) % 4 or not body or len(body) // 4 > MAX_REQUEST:

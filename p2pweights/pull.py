@@ -150,12 +150,9 @@ class PullScheduler:
         self.holders += link.holds
 
     def has(self, rank: int, indices) -> None:
-        """Partner ``rank`` verified ``indices`` (a HAVE).
-
-        Most HAVEs name chunks we hold or have asked for already: they change no decision now, so
-        they do not make ``requests`` decide again (the next arrival or timer does, with them
-        counted).  One that offers a chunk still to ask, holds what is parked there, or completes
-        the partner (it then costs less to ask) does."""
+        """Partner ``rank`` verified ``indices`` (a HAVE).  Only one that offers a chunk still to ask,
+        holds one parked there, or completes it makes ``requests`` decide again (most name chunks we
+        hold or asked for: the next arrival or timer decides, with them counted)."""
         link = self.links.get(rank)
         if link is None or link.holds is None:
             return
@@ -286,7 +283,7 @@ class PullScheduler:
         self.dirty = False
         out: dict[int, list[int]] = {}
         ready = [lk for lk in self.links.values() if lk.ready and lk.free()]
-        if not ready:  # every credit is taken: nothing can be asked until one frees (which sets dirty)
+        if not ready:  # every credit is taken: nothing to ask until one frees (which sets dirty)
             return []
         if self.urgent.any():  # 1. waiters first, from whoever holds them
             self._avail = ~self.have & (~self.inflight | self.movable)  # what a pick may take (``_ask`` clears)
@@ -298,7 +295,7 @@ class PullScheduler:
         any_orphaned = bool(orphaned.any())
         spread = sum(lk.ready and lk.rank != SEEDER for lk in self.links.values()) > 1  # catching up on a
         #   backlog with partners around: rarest first, ties apart, so what we take we can give them
-        typical = self._typical_rate()
+        typical = _typical_rate(self)
         order = _cheapest_first(self, ready, typical) if any_orphaned else ready  # sharers spread
         cheapest = _cheapest(self, ready, orphaned, typical)
         for lk in sorted(order, key=lambda x: x.rank == SEEDER):  # 2. planned share, and orphaned stripes
@@ -350,10 +347,6 @@ class PullScheduler:
         for s in stripes[1:]:
             mask = mask | self.in_stripe[s]
         return mask & ~self.inflight
-
-    def _typical_rate(self) -> float:
-        rates = [lk.rate for lk in self.links.values() if lk.rate > 0]
-        return statistics.median(rates) if rates else 0.0
 
     def _pick(self, lk: Link, mask: np.ndarray, k: int, rarest: bool = False, park: int = 0,
               spread_over: int | None = None) -> list[int]:
@@ -413,6 +406,12 @@ class PullScheduler:
                 self.inflight[index] = False
 
 
+def _typical_rate(sched: PullScheduler) -> float:
+    """The median rate of the links that measured one (bytes/s; 0 if none has)."""
+    rates = [lk.rate for lk in sched.links.values() if lk.rate > 0]
+    return statistics.median(rates) if rates else 0.0
+
+
 def _seeder_share(sched: PullScheduler, orphaned: np.ndarray, peers_hold: np.ndarray) -> np.ndarray:
     """Orphaned chunks the seeder may serve: those no partner has held for ``SEEDER_PATIENCE``
     seconds (at the front of a stripe a partner usually has it a moment later)."""
@@ -436,7 +435,7 @@ def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
         if not lk.outstanding:
             continue
         if not lk.rate and typical is None:
-            typical = sched._typical_rate()
+            typical = _typical_rate(sched)
         rate = lk.rate or typical
         bound = STALL_MAX if rate <= 0 else \
             min(STALL_MAX, max(STALL_MIN, STALL_WINDOWS * lk.window * sched.chunk_size / rate))
