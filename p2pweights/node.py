@@ -207,11 +207,8 @@ class Node:
                     for batch in protocol.batches(chunks):
                         self._post(link.socket, protocol.chunk_list(kind, batch))
         if self.fresh:
-            batches = protocol.batches(self.fresh)
+            self._have(self.fresh)
             self.fresh = []
-            for ident in list(self.children):
-                for batch in batches:
-                    self._send(ident, protocol.chunk_list(Msg.HAVE, batch))
         if self.endpoint is not None:
             for ident, frames in self.endpoint.take():
                 self._send(ident, *frames)
@@ -224,6 +221,21 @@ class Node:
             if not self._send_chunk(ident, index):
                 self.serve.blocked(ident, index)
                 blocked.add(ident)
+
+    def _have(self, fresh: list[int]) -> None:
+        """Announce ``fresh`` chunks in HAVEs to the partners pulling from us, leaving out, for a
+        partner we pull from too, what it holds already (about a third of all HAVEs: it sent us
+        those).  Once we are complete it hears of every chunk, so it counts us complete."""
+        everything = range(self.manifest.n_chunks) if self.store.complete else None
+        for ident, child in list(self.children.items()):
+            link = self.pull.links.get(child.rank)
+            if link is None or link.holds is None:
+                news = fresh
+            else:
+                holds = link.holds
+                news = everything or [i for i in fresh if not holds[i]]
+            for batch in protocol.batches(news):
+                self._send(ident, protocol.chunk_list(Msg.HAVE, batch))
 
     def _tick(self, now: float) -> None:
         """Timers: heartbeats, silent partners, stalled requests, completion, leaving, giving up."""
