@@ -346,3 +346,17 @@ def test_the_command_line_s_first_window_is_the_scheduler_s():
     from p2pweights.pull import DEFAULT_WINDOW
 
     assert cli.FIRST_WINDOW == DEFAULT_WINDOW  # the CLI keeps its own copy to parse without numpy
+
+
+def test_a_have_of_chunks_held_or_asked_already_decides_nothing_again_one_offering_more_does():
+    s, _ = sched(n=8, window=2, links={1: "11111111", 2: "........"}, plan=(1,))
+    first = asked(s)[1]
+    assert len(first) == 2
+    s.has(2, first)  # in flight at the planned source already: nothing to decide
+    assert not s.dirty and s.requests() == []
+    assert s.links[2].held == 2 and s.holders[first[0]] == 2  # counted all the same
+    other = next(i for i in range(8) if i not in first)
+    s.has(2, [other])  # a chunk still to ask: decide again (the planned source keeps its share)
+    assert s.dirty and s.requests() == []
+    s.has(2, [i for i in range(8) if i not in first and i != other])  # it completes: decide again
+    assert s.dirty
