@@ -289,7 +289,7 @@ class Download:
         chunks = self.manifest.chunks_covering(lo, hi)
         self.node.prioritize(chunks)
         if not (self.loader.wait_chunks(chunks, timeout) if self.loader else self._wait(chunks, timeout)):
-            have = int(self.store.have[chunks.start:chunks.stop].sum())
+            have = sum(self.store.have[chunks.start:chunks.stop])
             raise TimeoutError(f"bytes [{lo}, {hi}) not complete after {timeout} s: "
                                f"{have} of {len(chunks)} chunks verified")
 

@@ -88,7 +88,7 @@ class HostSink:
         self.landed_at[index] = time.monotonic()
 
     def usable(self) -> np.ndarray:
-        return self.store.have
+        return np.frombuffer(self.store.have, dtype=bool)  # a view: verified in place == usable
 
     def wait_chunks(self, indices, timeout) -> bool:
         return True  # verified in place == usable
@@ -282,7 +282,7 @@ class Loader:
         t = self._entry(name)
         chunks = self._chunks(t)
         if not self.wait_chunks(chunks, timeout):
-            have = int(self.store.have[chunks.start:chunks.stop].sum())
+            have = sum(self.store.have[chunks.start:chunks.stop])
             got = sum(min(hi, t["offset"] + t["nbytes"]) - max(lo, t["offset"])
                       for lo, hi in (self.manifest.chunk_span(i) for i in chunks if self.store.have[i]))
             raise TimeoutError(f"tensor {name!r} ({t['dtype']}{t['shape']}, {t['nbytes']} bytes) not on "

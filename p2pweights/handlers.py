@@ -12,7 +12,6 @@ import logging
 import struct
 from dataclasses import dataclass
 
-import numpy as np
 import zmq
 
 from . import protocol
@@ -115,7 +114,7 @@ class Handlers:
             if event.fields["n_chunks"] != size or len(bits) != (size + 7) // 8:
                 raise ProtocolError(f"ATTACHED bitfield of {len(bits)} bytes for {event.fields['n_chunks']} "
                                     f"chunks; the blob has {size}")
-            n.pull.ready(link.rank, np.unpackbits(np.frombuffer(bits, np.uint8), count=size).astype(bool))
+            n.pull.ready(link.rank, protocol.unpack_bits(bits, size))
         elif event.type == Msg.BYE:  # it is leaving: its requests are asked elsewhere now, not after a timeout
             n.partners.give_up(link.rank, "it left", level=logging.INFO)
         elif event.type == Msg.HAVE:
@@ -276,8 +275,8 @@ class Handlers:
             return
         n.children[ident] = _child(f)
         n.serve.attach(ident)
-        bits = np.packbits(n.store.have).tobytes() if n.reader is None else np.packbits(
-            np.ones(n.manifest.n_chunks, bool)).tobytes()  # a seeder reading on demand can serve any chunk
+        bits = protocol.pack_bits(n.store.have if n.reader is None else  # a seeder reading on demand
+                                  b"\x01" * n.manifest.n_chunks)  # can serve any chunk
         n._send(ident, protocol.control(Msg.ATTACHED, n_chunks=n.manifest.n_chunks), bits)
 
     def _reject(self, ident: bytes, reason: str, tell: bool) -> None:

@@ -233,7 +233,7 @@ class Node:
                 news = fresh
             else:
                 holds = link.holds
-                news = everything or [i for i in fresh if not holds[i]]
+                news = everything or [i for i in fresh if not holds >> i & 1]
             for batch in protocol.batches(news):
                 self._send(ident, protocol.chunk_list(Msg.HAVE, batch))
 
@@ -345,7 +345,7 @@ class Node:
         self.store.verified(index)
         if self.member is not None:
             self.member.progressed(self.clock())
-        if not self.pull.have[index]:
+        if not self.pull.got(index):
             self.pull.verified(index)
         self.serve.verified(index)
         self.fresh.append(index)

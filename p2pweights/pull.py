@@ -43,6 +43,11 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
 
 A request outstanding far longer than its link's rate explains is re-asked
 elsewhere (``stalled``); a dropped link gives its requests back at once.
+
+Sets of chunks (what we hold, what a partner holds, what is in flight) are
+Python ints used as bitsets, bit i for chunk i: the set operations are single
+C calls, cheaper than numpy's per-call cost at these sizes, and a joiner need
+not import numpy.
 """
 from __future__ import annotations
 
@@ -51,8 +56,6 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-
-import numpy as np
 
 DEFAULT_WINDOW = 2  # a link's credit window until its first chunk measures its rate
 MIN_WINDOW = 2
@@ -84,7 +87,7 @@ class Link:
     rank: int
     n_chunks: int
     window: int = DEFAULT_WINDOW
-    holds: np.ndarray | None = None  # None until its bitfield arrives
+    holds: int | None = None  # bitset of the chunks it holds; None until its bitfield arrives
     held: int = 0  # how many chunks it holds
     outstanding: dict[int, float] = field(default_factory=dict)  # chunk -> when asked
     rate: float = 0.0  # bytes/s while it had requests to serve
@@ -115,14 +118,15 @@ class PullScheduler:
         self.stripes = stripes
         self.default_window = max(MIN_WINDOW, min(MAX_WINDOW, window))
         self.clock = clock
-        self.have = np.zeros(n_chunks, bool) if have is None else np.array(have, dtype=bool)
-        self.inflight = np.zeros(n_chunks, bool)  # asked of at least one link
+        self.full = (1 << n_chunks) - 1  # every chunk
+        self.have = 0 if have is None else bitset(have)  # bitsets, bit i for chunk i
+        self.inflight = 0  # asked of at least one link
         self.asked: dict[int, set[int]] = {}  # chunk -> ranks it is asked of
-        self.urgent = np.zeros(n_chunks, bool)
-        self.movable = np.zeros(n_chunks, bool)  # in flight, parked at a lagging source that lacks it
-        self.orphan_at = np.full(n_chunks, np.inf)  # since when no partner holds an orphaned chunk
-        self.holders = np.zeros(n_chunks, np.int32)  # ready links holding each chunk
-        self._avail = np.zeros(n_chunks, bool)  # during ``requests``: what a pick may still take
+        self.urgent = 0
+        self.movable = 0  # in flight, parked at a lagging source that lacks it
+        self.orphan_at: dict[int, float] = {}  # orphaned chunk no partner holds -> since when
+        self.holders = [0] * n_chunks  # ready links holding each chunk
+        self._avail = 0  # during ``requests``: what a pick may still take
         self.links: dict[int, Link] = {}
         self.downstream: dict[int, int] = {}  # rank -> peers its uplink feeds through its children
         self.slow: set[int] = set()  # ranks the tracker demoted (slow uplinks): asked for help last
@@ -144,10 +148,10 @@ class PullScheduler:
         self.dirty = True
         link = self.links[rank]
         if link.holds is not None:
-            self.holders -= link.holds
-        link.holds = np.array(holds, dtype=bool)
-        link.held = int(link.holds.sum())
-        self.holders += link.holds
+            _count(self.holders, link.holds, -1)
+        link.holds = bitset(holds) & self.full
+        link.held = link.holds.bit_count()
+        _count(self.holders, link.holds, 1)
 
     def has(self, rank: int, indices) -> None:
         """Partner ``rank`` verified ``indices`` (a HAVE).  Only one that offers a chunk still to ask,
@@ -157,16 +161,19 @@ class PullScheduler:
         if link is None or link.holds is None:
             return
         holds, outstanding, now = link.holds, link.outstanding, self.clock()
-        for i in indices:  # a HAVE names a few chunks: a plain loop beats numpy's per-call cost
-            if not holds[i]:
-                holds[i] = True
+        taken = self.have | self.inflight
+        for i in indices:
+            bit = 1 << i
+            if not holds & bit:
+                holds |= bit
                 link.held += 1
                 self.holders[i] += 1
                 if i in outstanding:  # parked there until now: its service starts now (for the rate)
                     outstanding[i] = now
                     self.dirty = True
-                elif not (self.have[i] or self.inflight[i]):
+                elif not taken & bit:
                     self.dirty = True
+        link.holds = holds
         if link.held >= self.n:
             self.dirty = True
 
@@ -177,7 +184,7 @@ class PullScheduler:
         if link is None:
             return []
         if link.holds is not None:
-            self.holders -= link.holds
+            _count(self.holders, link.holds, -1)
         back = sorted(link.outstanding)
         for i in back:
             self._unask(i, rank)
@@ -186,8 +193,7 @@ class PullScheduler:
     def set_stripes(self, stripes: int) -> None:
         """Chunk i belongs to stripe i mod ``stripes`` (the plan's, from the WELCOME)."""
         self.stripes = stripes
-        self.stripe_of = np.arange(self.n) % stripes
-        self.in_stripe = [self.stripe_of == s for s in range(stripes)]  # one mask per stripe, built once
+        self.in_stripe = [stripe_mask(self.n, stripes, s) for s in range(stripes)]  # built once
         self.plan = (list(self.plan) + [None] * stripes)[:stripes]
 
     def set_plan(self, plan: list[int | None]) -> None:
@@ -200,7 +206,7 @@ class PullScheduler:
             lk = self.links.get(old) if old is not None and old != new else None
             if lk is None:
                 continue
-            moved = sorted(i for i in lk.outstanding if self.stripe_of[i] == s and i not in lk.helping)
+            moved = sorted(i for i in lk.outstanding if i % self.stripes == s and i not in lk.helping)
             for i in moved:
                 del lk.outstanding[i]
                 self._unask(i, lk.rank)
@@ -221,7 +227,7 @@ class PullScheduler:
         """Whether ``index`` may be taken from ``rank``: asked of it, or withdrawn from it (a stall
         re-request, an endgame loser) and still missing; a late copy is as good as any."""
         link = self.links.get(rank)
-        return link is not None and (index in link.outstanding or (index in link.withdrawn and not self.have[index]))
+        return link is not None and (index in link.outstanding or (index in link.withdrawn and not self.got(index)))
 
     def arrived(self, rank: int, index: int, ok: bool) -> None:
         """Chunk ``index`` came from ``rank``; ``ok``: it verified (else it is asked again)."""
@@ -246,8 +252,8 @@ class PullScheduler:
     def verified(self, index: int) -> None:
         """We hold chunk ``index`` now; its other (endgame) requests are to be cancelled."""
         self.dirty = True
-        self.have[index] = True
-        self.urgent[index] = False
+        self.have |= 1 << index
+        self.urgent &= ~(1 << index)
         for r in sorted(self.asked.get(index, ())):
             self.links[r].outstanding.pop(index, None)
             self._unask(index, r)
@@ -262,15 +268,18 @@ class PullScheduler:
     def prioritize(self, indices) -> None:
         """A reader waits for ``indices``: ask for them before anything else."""
         self.dirty = True
-        idx = np.asarray(list(indices), dtype=np.int64)
-        self.urgent[idx[~self.have[idx]]] = True
+        self.urgent |= bitset_of(indices) & ~self.have
+
+    def got(self, index: int) -> bool:
+        """Whether chunk ``index`` is verified here."""
+        return bool(self.have >> index & 1)
 
     @property
     def complete(self) -> bool:
-        return bool(self.have.all())
+        return self.have == self.full
 
     def missing(self) -> int:
-        return int(self.n - self.have.sum())
+        return self.n - self.have.bit_count()
 
     # ----- decisions ---------------------------------------------------------
 
@@ -285,14 +294,13 @@ class PullScheduler:
         ready = [lk for lk in self.links.values() if lk.ready and lk.free()]
         if not ready:  # every credit is taken: nothing to ask until one frees (which sets dirty)
             return []
-        if self.urgent.any():  # 1. waiters first, from whoever holds them
-            self._avail = ~self.have & (~self.inflight | self.movable)  # what a pick may take (``_ask`` clears)
-            for lk in ready:
+        if self.urgent:  # 1. waiters first, from whoever holds them
+            self._avail = self.full & ~self.have & (~self.inflight | self.movable)  # what a pick may take
+            for lk in ready:  # (``_ask`` takes what it asks out of it)
                 self._ask(lk, self._pick(lk, self.urgent & lk.holds, lk.free()), out)
-        peers_hold = self._peers_hold()
-        lagging, orphaned = _help_mask(self, peers_hold)
-        self._avail = ~self.have & (~self.inflight | self.movable)
-        any_orphaned = bool(orphaned.any())
+        lagging, orphaned = _help_mask(self)
+        self._avail = self.full & ~self.have & (~self.inflight | self.movable)
+        any_orphaned = orphaned != 0
         spread = sum(lk.ready and lk.rank != SEEDER for lk in self.links.values()) > 1  # catching up on a
         #   backlog with partners around: rarest first, ties apart, so what we take we can give them
         typical = _typical_rate(self)
@@ -302,7 +310,7 @@ class PullScheduler:
             k = lk.free()
             planned = self._planned_mask(lk.rank)
             if lk.rank == SEEDER:
-                mine = _seeder_share(self, orphaned, peers_hold)
+                mine = _seeder_share(self, orphaned)
             else:
                 mine = orphaned & lk.holds if any_orphaned else None
                 if planned is None and mine is not None:  # it only shares: a few at a time, if cheapest
@@ -313,9 +321,9 @@ class PullScheduler:
                 behind = 2 * lk.window if spread and lk.rank != SEEDER else None
                 self._ask(lk, self._pick(lk, mask, k, park=PARK_AHEAD, spread_over=behind), out)
         lagging &= ~orphaned
-        if lagging.any():  # 3. a stripe whose planned source lags: partners help, a few chunks each
+        if lagging:  # 3. a stripe whose planned source lags: partners help, a few chunks each
             _help(self, ready, lagging, typical, out)
-        if not self._wanted().any() and not self.have.all():  # 4. endgame: a second holder
+        if not self._wanted() and not self.complete:  # 4. endgame: a second holder
             _endgame(self, ready, out)
         return list(out.items())
 
@@ -326,54 +334,48 @@ class PullScheduler:
 
     def waiting_for(self) -> list[int]:
         """Missing chunks no live partner holds (what a peer with no source left waits for)."""
-        return np.flatnonzero(~self.have & (self.holders == 0)).tolist()
+        return indices_of(self.full & ~self.have & ~_held_by(self.links, ()))
 
     # ----- internals ---------------------------------------------------------
 
-    def _peers_hold(self) -> np.ndarray:
-        """How many ready partners other than the seeder hold each chunk."""
-        seeder = self.links.get(SEEDER)
-        return self.holders - (seeder.holds if seeder is not None and seeder.ready else 0)
+    def _wanted(self) -> int:
+        return self.full & ~self.have & ~self.inflight
 
-    def _wanted(self) -> np.ndarray:
-        return ~self.have & ~self.inflight
-
-    def _planned_mask(self, rank: int) -> np.ndarray | None:
+    def _planned_mask(self, rank: int) -> int | None:
         """The chunks of ``rank``'s planned stripes not yet asked of anyone (None: it plans none)."""
         stripes = [s for s, r in enumerate(self.plan) if r == rank]
         if not stripes:
             return None
-        mask = self.in_stripe[stripes[0]]
-        for s in stripes[1:]:
-            mask = mask | self.in_stripe[s]
+        mask = 0
+        for s in stripes:
+            mask |= self.in_stripe[s]
         return mask & ~self.inflight
 
-    def _pick(self, lk: Link, mask: np.ndarray, k: int, rarest: bool = False, park: int = 0,
+    def _pick(self, lk: Link, mask: int, k: int, rarest: bool = False, park: int = 0,
               spread_over: int | None = None) -> list[int]:
         """Up to ``k`` chunks of ``mask`` to ask of ``lk``: lowest first (or rarest among the lowest);
         ``park``: how many it may hold parked (asked before it has them) at once; ``spread_over``: rarest
         first when ``lk`` holds more candidates than this (we are catching up on it)."""
         if k <= 0:
             return []
-        mask = mask & self._avail
-        if lk.outstanding:
-            mask[list(lk.outstanding)] = False
-        idx = mask.nonzero()[0]
-        if not idx.size:
+        mask &= self._avail
+        if mask & self.movable:  # in flight elsewhere may be taken, not what is asked of ``lk`` already
+            for i in lk.outstanding:
+                mask &= ~(1 << i)
+        if not mask:
             return []
         if park:
-            held = lk.holds[idx]
-            parked = sum(1 for i in lk.outstanding if not lk.holds[i])
-            ahead = np.flatnonzero(~held)[:max(0, park - parked)]
-            held = np.flatnonzero(held)
-            rarest = rarest or (spread_over is not None and held.size > spread_over)
-            idx = idx[np.sort(np.concatenate([held, ahead]))]
+            held = mask & lk.holds
+            parked = sum(1 for i in lk.outstanding if not lk.holds >> i & 1)
+            ahead = lowest_of(mask & ~lk.holds, max(0, park - parked))
+            rarest = rarest or (spread_over is not None and held.bit_count() > spread_over)
+            mask = held | bitset_of(ahead)
         if not rarest:
-            return idx[:k].tolist()
-        lowest = idx[:max(k, RAREST_AMONG)]
-        ties = np.array([self.rng.random() for _ in range(lowest.size)])  # equally rare: peers pick apart
-        order = np.lexsort((ties, self.holders[lowest]))
-        return lowest[order][:k].tolist()
+            return lowest_of(mask, k)
+        lowest = lowest_of(mask, max(k, RAREST_AMONG))
+        ties = [self.rng.random() for _ in lowest]  # equally rare: peers pick apart
+        order = sorted(range(len(lowest)), key=lambda j: (self.holders[lowest[j]], ties[j]))
+        return [lowest[j] for j in order[:k]]
 
     def _ask(self, lk: Link, chunks: list[int], out: dict) -> None:
         now = self.clock()
@@ -382,10 +384,11 @@ class PullScheduler:
                 self.links[other].outstanding.pop(i, None)  # it frees there is decided next time
                 self._withdraw(self.links[other], [i])
                 self.dirty = True
-            self.movable[i] = False
-            self._avail[i] = False
+            bit = 1 << i
+            self.movable &= ~bit
+            self._avail &= ~bit
             self.asked[i] = {lk.rank}
-            self.inflight[i] = True
+            self.inflight |= bit
             lk.outstanding[i] = now
             if i in self.cancels.get(lk.rank, ()):  # withdrawn there a moment ago and wanted again
                 self.cancels[lk.rank].remove(i)
@@ -403,7 +406,22 @@ class PullScheduler:
             ranks.discard(rank)
             if not ranks:
                 del self.asked[index]
-                self.inflight[index] = False
+                self.inflight &= ~(1 << index)
+
+
+def _held_by(links: dict[int, Link], besides=(SEEDER,)) -> int:
+    """The chunks some ready partner holds, the ranks ``besides`` aside."""
+    held = 0
+    for lk in links.values():
+        if lk.holds is not None and lk.rank not in besides:
+            held |= lk.holds
+    return held
+
+
+def _count(holders: list[int], holds: int, step: int) -> None:
+    """Add ``step`` to the holder count of each chunk in ``holds``."""
+    for i in indices_of(holds):
+        holders[i] += step
 
 
 def _typical_rate(sched: PullScheduler) -> float:
@@ -412,14 +430,13 @@ def _typical_rate(sched: PullScheduler) -> float:
     return statistics.median(rates) if rates else 0.0
 
 
-def _seeder_share(sched: PullScheduler, orphaned: np.ndarray, peers_hold: np.ndarray) -> np.ndarray:
+def _seeder_share(sched: PullScheduler, orphaned: int) -> int:
     """Orphaned chunks the seeder may serve: those no partner has held for ``SEEDER_PATIENCE``
     seconds (at the front of a stripe a partner usually has it a moment later)."""
     now = sched.clock()
-    nobody = orphaned & (peers_hold == 0)
-    sched.orphan_at[~nobody] = np.inf
-    sched.orphan_at[nobody] = np.minimum(sched.orphan_at[nobody], now)
-    return nobody & (now - sched.orphan_at >= SEEDER_PATIENCE)
+    since = sched.orphan_at
+    sched.orphan_at = {i: since.get(i, now) for i in indices_of(orphaned & ~_held_by(sched.links))}
+    return bitset_of(i for i, t in sched.orphan_at.items() if now - t >= SEEDER_PATIENCE)
 
 
 def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
@@ -427,8 +444,8 @@ def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
     explains, give them back (and CANCEL them there)."""
     now = sched.clock()
     out = []
-    if (sched.inflight.any() and not sched._wanted().any()) or np.isfinite(sched.orphan_at).any() or \
-            any(not lk.ready or any(not lk.holds[i] for i in lk.outstanding) for lk in sched.links.values()):
+    if (sched.inflight and not sched._wanted()) or sched.orphan_at or \
+            any(not lk.ready or any(not lk.holds >> i & 1 for i in lk.outstanding) for lk in sched.links.values()):
         sched.dirty = True  # the endgame, the seeder's, attach and parking patience depend on time: look again
     typical = None
     for lk in sched.links.values():
@@ -442,7 +459,7 @@ def _stalled(sched: PullScheduler) -> list[tuple[int, list[int]]]:
         if not lk.outstanding or now - lk.last_arrival <= bound:
             continue  # it delivers: a long queue at a busy partner is not a stall
         late = [i for i, t in lk.outstanding.items()
-                if now - t > bound and (lk.holds is not None and lk.holds[i])]
+                if now - t > bound and (lk.holds is not None and lk.holds >> i & 1)]
         if late:
             for i in late:
                 del lk.outstanding[i]
@@ -476,17 +493,17 @@ def _cost(sched: PullScheduler, lk: Link, typical: float) -> tuple[bool, int]:
     return slow, 0 if lk.held >= sched.n else sched.downstream.get(lk.rank, 0)
 
 
-def _cheapest(sched: PullScheduler, links: list[Link], wanted: np.ndarray, typical: float) -> tuple[bool, int]:
+def _cheapest(sched: PullScheduler, links: list[Link], wanted: int, typical: float) -> tuple[bool, int]:
     """The lowest ``_cost`` of the ``links`` that can be asked now (the seeder aside) and hold some
     ``wanted`` chunk: only partners that cheap help or share, so no stripe's root gives its
     children's uplink away and no slow uplink is asked while a fast one holds the chunks.  A
     partner with no credit free (a planned source whose window waits on chunks it lacks) does not
     set the bar: it would shut every other holder out."""
     return min((_cost(sched, lk, typical) for lk in links
-                if lk.free() and lk.rank != SEEDER and (wanted & lk.holds).any()), default=(False, 0))
+                if lk.free() and lk.rank != SEEDER and wanted & lk.holds), default=(False, 0))
 
 
-def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, typical: float, out: dict) -> None:
+def _help(sched: PullScheduler, ready: list[Link], lagging: int, typical: float, out: dict) -> None:
     """Step 3 of ``requests``: among the cheapest partners that hold lagging chunks, each chunk of
     help goes to the one that would deliver it soonest (``_eta``), ties in random order so
     requesters spread; rarest first among the lowest lagging chunks it holds, at most
@@ -509,15 +526,14 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: np.ndarray, typical:
         sched._ask(lk, chunks, out)
 
 
-def _help_mask(sched: PullScheduler, peers_hold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _help_mask(sched: PullScheduler) -> tuple[int, int]:
     """Chunks other partners may be asked for (stripes whose planned source lags), and the
     subset whose planned source is gone (which the seeder may serve too)."""
-    mask, orphaned = np.zeros(sched.n, bool), np.zeros(sched.n, bool)
-    sched.movable[:] = False
+    mask = orphaned = sched.movable = 0
     for s, rank in enumerate(sched.plan):
         src = sched.links.get(rank) if rank is not None else None
         in_stripe = sched.in_stripe[s]
-        missing = ~sched.have & in_stripe
+        missing = in_stripe & ~sched.have
         slow = False
         if src is None:  # gone (given up, or never named): every holder shares the stripe
             lagging = True
@@ -525,28 +541,29 @@ def _help_mask(sched: PullScheduler, peers_hold: np.ndarray) -> tuple[np.ndarray
         elif not src.ready:  # still attaching: wait for it a moment, then let partners help meanwhile
             lagging = sched.clock() - src.opened > ATTACH_PATIENCE  # (a silent one is given up, then orphaned)
         else:
-            others = (peers_hold - (src.holds if rank != SEEDER else 0)) > 0
-            lacks = int((missing & others & ~src.holds).sum())
+            others = _held_by(sched.links, (SEEDER, rank))  # partners besides the seeder and the source
+            lacks = (missing & others & ~src.holds).bit_count()
             rates = [lk.rate for lk in sched.links.values() if lk.rate > 0 and lk is not src]
             # a demoted source holds us back once this stripe is all we miss (its pace set the plan's
             # share; the partners done with their own stripes have the uplink to spare now)
-            slow = (rank in sched.slow and not (~sched.have & ~in_stripe).any()) or src.starved or \
+            slow = (rank in sched.slow and not sched.full & ~(sched.have | in_stripe)) or src.starved or \
                 (src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * statistics.median(rates))
             # lagging: it lacks what others hold, it is slow, or it holds more than we keep up with
             lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow or \
-                int((missing & src.holds & ~sched.inflight).sum()) > 2 * src.window
+                (missing & src.holds & ~sched.inflight).bit_count() > 2 * src.window
             # parked for a while at a source that still lacks them, though partners hold them: its
             # window waits on holes it must fill first, so they are taken from the partners
             now = sched.clock()
-            stuck = [i for i, t in src.outstanding.items() if not src.holds[i] and others[i]
-                     and now - t > STALL_MIN and len(sched.asked[i]) == 1]
-            mask[stuck] = sched.movable[stuck] = True
+            stuck = bitset_of(i for i, t in src.outstanding.items() if not src.holds >> i & 1 and others >> i & 1
+                              and now - t > STALL_MIN and len(sched.asked[i]) == 1)
+            mask |= stuck
+            sched.movable |= stuck
         if lagging:
             mask |= missing & ~sched.inflight
             if slow:  # parked at a slow source
-                parked = [i for i in src.outstanding if not src.holds[i] and len(sched.asked[i]) == 1]
-                mask[parked] = True
-                sched.movable[parked] = True
+                parked = bitset_of(i for i in src.outstanding if not src.holds >> i & 1 and len(sched.asked[i]) == 1)
+                mask |= parked
+                sched.movable |= parked
     return mask & ~sched.have, orphaned
 
 
@@ -559,10 +576,10 @@ def _endgame(sched: PullScheduler, ready: list[Link], out: dict) -> None:
         return
     overdue = []
     for i, ranks in sched.asked.items():
-        if len(ranks) != 1 or sched.have[i]:
+        if len(ranks) != 1 or sched.got(i):
             continue
         src = sched.links[next(iter(ranks))]
-        if src.holds is None or not src.holds[i]:
+        if src.holds is None or not src.holds >> i & 1:
             continue  # parked: it waits for its own source, a second one would not be faster
         expect = len(src.outstanding) * sched.chunk_size / src.rate if src.rate > 0 else STALL_MIN
         t = src.outstanding.get(i, now)
@@ -575,8 +592,56 @@ def _endgame(sched: PullScheduler, ready: list[Link], out: dict) -> None:
             continue  # its uplink carries each chunk about once: no duplicates from it
         dup = sum(1 for i in lk.outstanding if len(sched.asked.get(i, ())) > 1)
         free = min(lk.free(), ENDGAME_PER_LINK - dup)
-        picks = [i for _, i, r in sorted(overdue) if r != lk.rank and lk.holds[i] and len(sched.asked[i]) == 1]
+        picks = [i for _, i, r in sorted(overdue) if r != lk.rank and lk.holds >> i & 1 and len(sched.asked[i]) == 1]
         for i in picks[:max(0, free)]:
             sched.asked[i].add(lk.rank)
             lk.outstanding[i] = now
             out.setdefault(lk.rank, []).append(i)
+
+
+# ----- bitsets: a Python int, bit i for chunk i ------------------------------
+
+_ASCII_BITS = bytes.maketrans(b"\x00\x01", b"01")
+
+
+def bitset(flags) -> int:
+    """The bitset of a sequence of truth values (a bytearray or array of 0/1, a list of bools), or an int."""
+    if isinstance(flags, int):
+        return flags
+    raw = bytes(bytearray(map(bool, flags))) if isinstance(flags, (list, tuple)) else bytes(flags)
+    return int(raw[::-1].translate(_ASCII_BITS), 2) if raw else 0
+
+
+def bitset_of(indices) -> int:
+    """The bitset of chunk ``indices``."""
+    bits = 0
+    for i in indices:
+        bits |= 1 << i
+    return bits
+
+
+def indices_of(bits: int) -> list[int]:
+    """The chunks in ``bits``, lowest first."""
+    text = bin(bits)[:1:-1]  # lowest bit first
+    out, i = [], text.find("1")
+    while i >= 0:
+        out.append(i)
+        i = text.find("1", i + 1)
+    return out
+
+
+def lowest_of(bits: int, k: int) -> list[int]:
+    """The lowest ``k`` chunks in ``bits``."""
+    out = []
+    while bits and len(out) < k:
+        low = bits & -bits
+        out.append(low.bit_length() - 1)
+        bits ^= low
+    return out
+
+
+def stripe_mask(n: int, stripes: int, s: int) -> int:
+    """The bitset of stripe ``s``: chunks i < ``n`` with i mod ``stripes`` == ``s``."""
+    unit = "".join("1" if j == s else "0" for j in range(stripes))  # lowest bit first
+    text = (unit * (n // stripes + 1))[:n]
+    return int(text[::-1], 2) if text else 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
 
 from .protocol import ProtocolError
 
@@ -33,7 +32,7 @@ class UploadScheduler:
         self.parked: dict[int, list[bytes]] = {}
         self.waiting: dict[bytes, set[int]] = {}  # per link: every chunk asked and not yet sent
         self.turn: deque = deque()  # round-robin order of links
-        self.sent_count = np.zeros(n_chunks, np.int32)
+        self.sent_count = [0] * n_chunks
 
     def attach(self, link: bytes) -> None:
         if link not in self.queues:

@@ -13,7 +13,6 @@ import os
 import queue
 import threading
 
-import numpy as np
 
 from .errors import UserError
 from .manifest import chunk_hasher, file_segments
@@ -190,7 +189,7 @@ class ReadAhead:
         self.ahead = getattr(source, "ahead", ahead)
         self.digest = chunk_hasher(store.manifest.hash)
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.done = np.zeros(store.manifest.n_chunks, dtype=bool)  # read (or tried) by this thread
+        self.done = bytearray(store.manifest.n_chunks)  # read (or tried) by this thread
         mapped = not getattr(store, "writable", True)  # the store maps these very files: read only to verify
         self.scratch = memoryview(bytearray(store.manifest.chunk_size)) if mapped else None
         self.thread = threading.Thread(target=self._run, name="p2pw-readahead", daemon=True)
@@ -219,6 +218,7 @@ class ReadAhead:
                 return
             todo = [i for i in range(index, min(index + 1 + self.ahead, n))
                     if not self.done[i] and not self.store.has(i)]
-            self.done[todo] = True
+            for i in todo:
+                self.done[i] = 1
             for i, ok in self.source.read_chunks(self.store.manifest, todo, self.view_of, self.digest):
                 self.on_ready(i, ok)

@@ -23,7 +23,6 @@ import tempfile
 import threading
 import time
 
-import numpy as np
 
 from .errors import UserError
 
@@ -218,7 +217,7 @@ class Store:
         self.view = memoryview(self.buffer).cast("B")
         if len(self.view) < manifest.total_size:
             raise ValueError(f"buffer of {len(self.view)} bytes cannot hold a {manifest.total_size}-byte blob")
-        self.have = np.zeros(manifest.n_chunks, dtype=bool)
+        self.have = bytearray(manifest.n_chunks)  # 1 where chunk i is verified
         self.count = 0
         self.bytes = 0
         self.cond = threading.Condition()
@@ -260,7 +259,7 @@ class Store:
 
     def missing(self):
         """Indices of chunks not yet verified, in order."""
-        return np.flatnonzero(~self.have).tolist()
+        return [i for i, held in enumerate(self.have) if not held]
 
     def verified(self, index: int) -> None:
         """Mark chunk ``index`` verified (its hash matched), hand it to sinks, wake waiters."""
@@ -271,7 +270,7 @@ class Store:
             sink.put(index, data)
         now = time.monotonic()
         with self.cond:
-            self.have[index] = True
+            self.have[index] = 1
             self.count += 1
             self.bytes += len(data)
             self.first_at = self.first_at or now
@@ -292,7 +291,7 @@ class Store:
     def hold_all(self) -> None:
         """Every chunk is already in the buffer and verified (a seeder that hashed it while reading)."""
         with self.cond:
-            self.have[:] = True
+            self.have[:] = b"\x01" * self.manifest.n_chunks
             self.count = self.manifest.n_chunks
             self.bytes = self.manifest.total_size
             self.first_at = self.done_at = time.monotonic()
@@ -310,19 +309,20 @@ class Store:
         It sleeps until the highest chunk still missing is verified (chunks arrive near blob order,
         so that is about the last), not at every chunk: a wait for the whole blob wakes a few times,
         not once per chunk."""
-        indices = np.asarray(list(indices), dtype=np.int64)
+        indices = list(indices)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
             while True:
                 if self.error:
                     raise StoreClosed(self.error)
-                missing = indices[~self.have[indices]] if indices.size else indices
-                if missing.size == 0:
+                have = self.have
+                missing = [i for i in indices if not have[i]]
+                if not missing:
                     return True
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self.sleep_until(int(missing[-1]), left if left is not None else 1.0)
+                self.sleep_until(missing[-1], left if left is not None else 1.0)
 
     def sleep_until(self, index: int, timeout: float) -> None:
         """Wait on ``cond`` (held) until chunk ``index`` (or ``ANY_CHUNK``) is verified, a failure, or ``timeout``."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import struct
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -85,3 +86,15 @@ def test_state_machines(table, kinds_seen):
 def test_regressions(body):
     """Found by fuzzing: deep nesting raised RecursionError, not ProtocolError."""
     decodes_or_refuses([header(Msg.HELLO) + body])
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 513, 35_001])
+def test_attached_bitfield_is_numpy_packbits_and_unpacks_to_the_same_chunks(n):
+    """ATTACHED's bitfield keeps numpy's ``packbits`` layout (older peers send and read it), built and read
+    without numpy: chunk 0 in the first byte's highest bit."""
+    rng = np.random.default_rng(n)
+    flags = rng.random(n) < 0.5
+    bits = protocol.pack_bits(flags.astype(np.uint8).tobytes())
+    assert bits == np.packbits(flags).tobytes()
+    got = protocol.unpack_bits(bits, n)
+    assert [i for i in range(n) if got >> i & 1] == np.flatnonzero(flags).tolist()

@@ -114,7 +114,7 @@ def test_throttled_seeder_first_layer_usable_before_the_rest(tmp_path, procs, do
     first_name, _ = next(dl.iter_tensors(timeout=30))
     assert first_name == "model.embed_tokens.weight"
     q = dl.wait_tensor(name, timeout=30)
-    assert dl.store.have[chunks.start:chunks.stop].all()
+    assert all(dl.store.have[chunks.start:chunks.stop])
     assert not dl.store.have[-1] and not dl.store.complete  # later chunks still missing
     assert q.dtype == torch.bfloat16 and list(q.shape) == t["shape"]
     assert_same({name: q}, {name: reference(tmp_path / "m")[name]})
