@@ -448,6 +448,8 @@ class Forest:
 
     def _unload(self, s: int) -> list[tuple[int, int]]:
         over = [r for r in self.kids[s] if self.load(r, s) > self.capacity(r, s)]
+        if not over:  # the usual case: no sort of the free slots
+            return []
         free = sorted((r for r in self.kids[s] if r not in self.spare and self.load(r, s) < self.capacity(r, s)),
                       key=lambda r: (self.depth[s][r], r))
         for src in sorted(over, key=lambda r: (r != 0, r)):
