@@ -166,20 +166,18 @@ class Striped:
 class Forest:
     """k stripe trees in which every peer is interior in at most one (SplitStream), placed greedily.
 
-    A peer joins group ``g``, the group with the fewest members, and is interior
-    only in stripe tree ``g``, with ``k * share`` child slots (``share``: its
-    uplink over the fleet's, 1 unless the tracker knows better), so its uplink
-    carries about one copy.  The seeder has one slot per stripe: it sends each
-    chunk once.  In every stripe a newcomer takes the shallowest free slot;
-    where none is free, the least loaded one.  A group member that joins adopts
-    leaves from overloaded parents of its stripe (``place`` returns the moves).
-    ``demote`` makes a slow host a leaf everywhere; ``remove`` re-places a
-    departed peer's children.  When a stripe has a peer no slot serves while
-    another has a slot free (a demotion leaves groups of 4 and 3), a forwarder
-    with a free slot lends it to that stripe, still one copy in all (``lent``).
-    Where none can lend, a demoted host serves one such peer there (``spare``):
-    its quarter-rate uplink carries half a stripe, the peer's partners help
-    with the rest.  Only a leaf of that stripe is placed under it.
+    A peer joins group ``g``, the group with the fewest members, and is interior only in stripe
+    tree ``g``, with ``k * share`` child slots (``share``: its uplink over the fleet's, 1 unless
+    the tracker knows better), so its uplink carries about one copy.  The seeder has one slot per
+    stripe: it sends each chunk once.  In every stripe a newcomer takes the shallowest free slot;
+    where none is free, the least loaded one.  A group member that joins adopts leaves from
+    overloaded parents of its stripe (``place`` returns the moves).  ``demote`` makes a slow host
+    a leaf everywhere; ``remove`` re-places a departed peer's children.  When a stripe has a peer
+    no slot serves while another has a slot free (a demotion leaves groups of 4 and 3), a
+    forwarder with a free slot lends it to that stripe, still one copy in all (``lent``).  Where
+    none can lend, a demoted host serves one such peer there (``spare``): its quarter-rate uplink
+    carries half a stripe, the peer's partners help with the rest.  Only a leaf of that stripe is
+    placed under it.
     """
 
     def __init__(self, k: int = 2):
@@ -329,9 +327,10 @@ class Forest:
     def _best_parent(self, s: int, exclude: set) -> int | None:
         """The shallowest placed parent with a free slot in stripe ``s``; None when every slot is
         taken (nobody is overloaded: the uplinks are balanced, partners carry the rest)."""
-        cands = [r for r in self.kids[s] if r not in exclude and r not in self.spare
-                 and self.load(r, s) < self.capacity(r, s) and self.depth[s].get(r, UNPLACED) < UNPLACED]
-        return min(cands, key=lambda r: (self.depth[s][r], r), default=None)
+        kids, depth, spare, capacity = self.kids[s], self.depth[s], self.spare, self.capacity
+        cands = [r for r, under in kids.items() if depth.get(r, UNPLACED) < UNPLACED and r not in spare
+                 and r not in exclude and len(under) < capacity(r, s)]
+        return min(cands, key=lambda r: (depth[r], r), default=None)
 
     def _settle(self) -> list[tuple[int, int]]:
         """Restore the invariants after a change; returns the moves.
@@ -352,9 +351,10 @@ class Forest:
         """A forwarder deeper than a leaf of stripe ``s`` trades places with it; one with no planned
         source there takes the slot of a demoted host serving a spare leaf (placed again): else a
         slow first joiner, demoted before the fleet came, kept the seeder's slot in ``s``."""
-        inner = [r for r in self.kids[s] if r and self.interior_in(r, s) and self.slots.get(r)]
-        leaves = [r for r in self.kids[s] if r and not self.interior_in(r, s) and not self.kids[s][r]
-                  and self.parent[s].get(r) not in self.spare]  # a demoted host's slot takes no forwarder
+        kids, parent, group, lent = self.kids[s], self.parent[s], self.group, self.lent
+        inner = [r for r in kids if r and (group.get(r) == s or lent.get(r) == s) and self.slots.get(r)]
+        leaves = [r for r, under in kids.items() if r and not under and group.get(r) != s and lent.get(r) != s
+                  and parent.get(r) not in self.spare]  # a demoted host's slot takes no forwarder
         leaf = min(leaves, key=lambda r: (self.depth[s][r], -r), default=None)
         deep = min((r for r in inner if leaf is not None and self.depth[s][r] > self.depth[s][leaf]),
                    key=lambda r: (self.depth[s][r], r), default=None)
@@ -447,7 +447,7 @@ class Forest:
         return [] if s is None else [self._move(c, s) for c in sorted(self.kids[s][rank])]
 
     def _unload(self, s: int) -> list[tuple[int, int]]:
-        over = [r for r in self.kids[s] if self.load(r, s) > self.capacity(r, s)]
+        over = [r for r, under in self.kids[s].items() if len(under) > self.capacity(r, s)]
         if not over:  # the usual case: no sort of the free slots
             return []
         free = sorted((r for r in self.kids[s] if r not in self.spare and self.load(r, s) < self.capacity(r, s)),
