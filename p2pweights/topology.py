@@ -327,9 +327,9 @@ class Forest:
     def _best_parent(self, s: int, exclude: set) -> int | None:
         """The shallowest placed parent with a free slot in stripe ``s``; None when every slot is
         taken (nobody is overloaded: the uplinks are balanced, partners carry the rest)."""
-        kids, depth, spare, capacity = self.kids[s], self.depth[s], self.spare, self.capacity
-        cands = [r for r, under in kids.items() if depth.get(r, UNPLACED) < UNPLACED and r not in spare
-                 and r not in exclude and len(under) < capacity(r, s)]
+        depth, group, lent = self.depth[s], self.group, self.lent  # slots in ``s``: the seeder, its group, lenders
+        cands = [r for r, under in self.kids[s].items() if (group.get(r) == s or lent.get(r) == s or not r)
+                 and depth.get(r, UNPLACED) < UNPLACED and r not in exclude and len(under) < self.capacity(r, s)]
         return min(cands, key=lambda r: (depth[r], r), default=None)
 
     def _settle(self) -> list[tuple[int, int]]:
@@ -447,7 +447,7 @@ class Forest:
         return [] if s is None else [self._move(c, s) for c in sorted(self.kids[s][rank])]
 
     def _unload(self, s: int) -> list[tuple[int, int]]:
-        over = [r for r, under in self.kids[s].items() if len(under) > self.capacity(r, s)]
+        over = [r for r, under in self.kids[s].items() if under and len(under) > self.capacity(r, s)]
         if not over:  # the usual case: no sort of the free slots
             return []
         free = sorted((r for r in self.kids[s] if r not in self.spare and self.load(r, s) < self.capacity(r, s)),
