@@ -58,6 +58,35 @@ class TrackerError(UserError, ValueError):
     """A membership request the tracker refuses."""
 
 
+class Pullers:
+    """Who pulls from whom, so a forwarder waiting to leave is answered without a scan of every
+    member (each asks every second at the end of a broadcast): rank -> the members that took it
+    as a parent, a superset pruned as it is read."""
+
+    def __init__(self):
+        self.by_rank: dict[int, set[int]] = {}
+
+    def set(self, m: Member, parent, stripe: int | None = None) -> None:
+        """Set ``m``'s parent in ``stripe`` (None: ``parent`` is its whole list of parents)."""
+        if stripe is None:
+            m.parents = parent
+        else:
+            m.parents[stripe] = parent
+        for p in ([parent] if stripe is not None else parent):
+            self.by_rank.setdefault(p, set()).add(m.rank)
+
+    def of(self, rank: int, members: dict[int, Member]) -> list[int]:
+        """The unfinished members pulling from ``rank`` in some stripe."""
+        out, pullers = [], self.by_rank.get(rank, set())
+        for r in sorted(pullers):
+            m = members.get(r)
+            if m is None or rank not in m.parents:
+                pullers.discard(r)  # it moved elsewhere since
+            elif not m.left and not m.done:
+                out.append(r)
+        return out
+
+
 class Tracker:
     """Membership and tree placement for one broadcast."""
 
@@ -71,6 +100,7 @@ class Tracker:
         self.placed = hasattr(topology, "place")  # a stateful plan (Forest), not a rule of the rank
         self.moved: list[int] = []  # ranks whose plan changed as a side effect, not yet announced
         self.unparented: set[int] = set()  # ranks a peer stopped pulling from (done, gone, moved), not yet taken
+        self.pullers = Pullers()
         self.rng = random.Random(0x9E3779B9)
         self.probes: list[float] = []  # every probe rate in, sorted (their median judges each)
         self.unsettled: set[int] = set()  # probed before PROBE_QUORUM probes were in: judged again
@@ -89,7 +119,7 @@ class Tracker:
             m = self.members[known]
             was_left, m.listen, m.left = m.left, listen, False
             moves = self.topology.place(known) if self.placed and was_left else []
-            m.parents = self._place(known)
+            self.pullers.set(m, self._place(known))
             self._note(moves)
             m.seen = self.clock()
             return m
@@ -101,7 +131,7 @@ class Tracker:
         self.members[rank] = m
         self.by_peer_id[peer_id] = rank
         moves = self.topology.place(rank) if self.placed else []
-        m.parents = self._place(rank)
+        self.pullers.set(m, self._place(rank))
         self._note(moves)
         if self.placed:  # the swarm; a rule-based plan stays a pure tree, to compare against
             self._partner(m)
@@ -131,7 +161,7 @@ class Tracker:
             m = self.members.get(rank)
             if m is not None and not m.left:
                 self.unparented.add(m.parents[stripe])
-                m.parents[stripe] = self.topology.parent[stripe][rank]
+                self.pullers.set(m, self.topology.parent[stripe][rank], stripe)
                 if not m.done:  # a done peer pulls nothing: no need to tell it
                     self.moved.append(rank)
 
@@ -162,7 +192,7 @@ class Tracker:
             if m is None or m.left or m.done or m.parents[stripe] == member.rank:
                 continue
             self.unparented.add(m.parents[stripe])
-            m.parents[stripe] = member.rank
+            self.pullers.set(m, member.rank, stripe)
             if m not in moved:
                 moved.append(m)
         return moved
@@ -199,7 +229,7 @@ class Tracker:
 
     def dependents(self, rank: int) -> list[int]:
         """Unfinished peers that pull from ``rank`` in some stripe."""
-        return [m.rank for m in self.members.values() if not m.left and not m.done and rank in m.parents]
+        return self.pullers.of(rank, self.members)
 
     def leave(self, rank: int) -> list[int]:
         """Let ``rank`` leave if nobody depends on it; returns who it must still wait for."""
@@ -230,7 +260,7 @@ class Tracker:
                 continue
             for stripe, parent in enumerate(m.parents):
                 if parent == rank:
-                    m.parents[stripe] = self._ancestor(rank, stripe)
+                    self.pullers.set(m, self._ancestor(rank, stripe), stripe)
                     moved.append((m.rank, stripe))
         return moved
 
@@ -254,7 +284,7 @@ class Tracker:
                 self._note([self.topology.move(rank, stripe, avoid=parent)])
             else:
                 self.unparented.add(parent)
-                m.parents[stripe] = self._ancestor(parent, stripe) if parent != ROOT else ROOT
+                self.pullers.set(m, self._ancestor(parent, stripe) if parent != ROOT else ROOT, stripe)
         return m.parents[stripe]
 
     def touch(self, rank: int, have: int | None = None, rates: dict | None = None) -> None:
