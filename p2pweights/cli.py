@@ -16,11 +16,12 @@ import threading
 import time
 
 from .errors import UserError
+from .pull import DEFAULT_WINDOW
 
 log = logging.getLogger("p2pw")
 
 CHUNK_SIZE_HELP = "chunk size (default: 4 MiB, halved down to 512 KiB while the checkpoint has under 512 chunks)"
-FIRST_WINDOW = 2  # pull.DEFAULT_WINDOW, not imported: parsing the command line needs no numpy
+FIRST_WINDOW = DEFAULT_WINDOW  # the scheduler's (pull imports no numpy: parsing stays cheap)
 WINDOW_HELP = "first credit window of a link, until its rate is measured (then 0.25 s of it, 2-32 chunks)"
 
 

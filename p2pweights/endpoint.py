@@ -124,7 +124,7 @@ class TrackerEndpoint:
                 self.tracker.done(rank, seconds=max(self.tracker.clock() - m.joined, 1e-9))
             self.changed = True
             log.info("peer rank %d is done", rank)
-            self._announce()  # whom it pulled from may be waiting to leave (``tracker.unparented``)
+            self._announce()  # whom it pulled from may be waiting to leave (``Tracker.take_unparented``)
 
     def leave(self, ident: bytes, f: dict) -> None:
         rank = self.members.get(ident)
@@ -161,7 +161,7 @@ class TrackerEndpoint:
         log.info("rank %d lost parent rank %d in stripe %d (%s): %s", rank, f["parent"], f["stripe"], f["reason"],
                  "its partners share the stripe" if new is None else f"now under rank {new}")
         self.tracker.moved.append(rank)
-        self._announce()  # the parent it left may be waiting to leave (``tracker.unparented``)
+        self._announce()  # the parent it left may be waiting to leave (``Tracker.take_unparented``)
 
     def heartbeat(self, ident: bytes, f: dict) -> None:
         rank = self.members.get(ident)

@@ -24,7 +24,8 @@ MAX_BAD_FROM_PARENT = 4  # chunks failing verification before a partner is given
 DRAIN = 64  # messages taken from one socket per poll
 DRAIN_SECONDS = 0.02  # and at most this long, so timers (heartbeats) keep their pace under load
 READY = struct.Struct("<I?")  # read-ahead -> loop: chunk index, matched the manifest
-# pyzmq's constants are enums; as ints they cost no enum arithmetic on every message
+# pyzmq's constants are enums; as ints they cost no enum arithmetic on every message and frame (the node's
+# sends use NOBLOCK too: pyzmq ORs SNDMORE into the flags per frame)
 EVENTS, POLLIN, RCVMORE, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE), int(zmq.NOBLOCK)
 
 

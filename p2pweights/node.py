@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import zmq
 
 from . import faults, keys, protocol
-from .handlers import MAX_BAD_FROM_PARENT, MAX_BAD_MESSAGES, READY, Child, Handlers  # noqa: F401
+from .handlers import MAX_BAD_FROM_PARENT, MAX_BAD_MESSAGES, NOBLOCK, READY, Child, Handlers  # noqa: F401
 from .manifest import chunk_hasher
 from .member import Membership
 from .partners import Partners, tcp  # noqa: F401  (tcp: part of the node's surface)
@@ -43,7 +43,6 @@ TRACKER_TIMEOUT = 10.0  # a tracker silent this long is re-introduced to (it may
 IDLE_FORGET = 60.0  # a quiet connection that is neither partner nor member is forgotten after this long
 GIVE_UP_AFTER = 300.0  # seconds with nothing to fetch from anyone before a join fails
 SEND_BUDGET = 256  # chunks handed to ZeroMQ per loop turn
-NOBLOCK = int(zmq.NOBLOCK)  # an int: pyzmq ORs SNDMORE into the flags per frame, and as an enum that costs
 ROUTER_MAX_MSG = 1 << 20
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import deque
 
-
 from .protocol import ProtocolError
 
 MAX_PARKED = 64  # requests one link may have waiting at this node (queued or parked)

@@ -59,21 +59,37 @@ class TrackerError(UserError, ValueError):
 
 
 class Pullers:
-    """Who pulls from whom, so a forwarder waiting to leave is answered without a scan of every
-    member (each asks every second at the end of a broadcast): rank -> the members that took it
-    as a parent, a superset pruned as it is read."""
+    """Who pulls from whom; every change of a member's parents goes through here.
+
+    ``by_rank``: rank -> the members that took it as a parent (a superset, pruned as it is read),
+    so a forwarder waiting to leave is answered without a scan of every member (each asks every
+    second at the end of a broadcast).  ``lost``: ranks a member stopped pulling from (it is done
+    or gone, or a plan change moved it) since they were last taken: one waiting to leave may go."""
 
     def __init__(self):
         self.by_rank: dict[int, set[int]] = {}
+        self.lost: set[int] = set()
 
-    def set(self, m: Member, parent, stripe: int | None = None) -> None:
-        """Set ``m``'s parent in ``stripe`` (None: ``parent`` is its whole list of parents)."""
-        if stripe is None:
-            m.parents = parent
-        else:
-            m.parents[stripe] = parent
-        for p in ([parent] if stripe is not None else parent):
+    def assign(self, m: Member, parents: list) -> None:
+        """``m`` pulls stripe s from ``parents[s]`` (its plan at join)."""
+        self.stop(m)
+        m.parents = parents
+        for p in parents:
             self.by_rank.setdefault(p, set()).add(m.rank)
+
+    def move(self, m: Member, stripe: int, parent) -> None:
+        """``m`` pulls ``stripe`` from ``parent`` now."""
+        self.lost.add(m.parents[stripe])
+        m.parents[stripe] = parent
+        self.by_rank.setdefault(parent, set()).add(m.rank)
+
+    def stop(self, m: Member) -> None:
+        """``m`` pulls from its parents no more (done, gone, or about to be given others)."""
+        self.lost.update(m.parents)
+
+    def take_lost(self) -> set[int]:
+        out, self.lost = self.lost, set()
+        return out
 
     def of(self, rank: int, members: dict[int, Member]) -> list[int]:
         """The unfinished members pulling from ``rank`` in some stripe."""
@@ -99,8 +115,7 @@ class Tracker:
         self.by_peer_id: dict[str, int] = {}
         self.placed = hasattr(topology, "place")  # a stateful plan (Forest), not a rule of the rank
         self.moved: list[int] = []  # ranks whose plan changed as a side effect, not yet announced
-        self.unparented: set[int] = set()  # ranks a peer stopped pulling from (done, gone, moved), not yet taken
-        self.pullers = Pullers()
+        self.pullers = Pullers()  # who pulls from whom, and whom a peer stopped pulling from
         self.rng = random.Random(0x9E3779B9)
         self.probes: list[float] = []  # every probe rate in, sorted (their median judges each)
         self.unsettled: set[int] = set()  # probed before PROBE_QUORUM probes were in: judged again
@@ -119,7 +134,7 @@ class Tracker:
             m = self.members[known]
             was_left, m.listen, m.left = m.left, listen, False
             moves = self.topology.place(known) if self.placed and was_left else []
-            self.pullers.set(m, self._place(known))
+            self.pullers.assign(m, self._place(known))
             self._note(moves)
             m.seen = self.clock()
             return m
@@ -131,7 +146,7 @@ class Tracker:
         self.members[rank] = m
         self.by_peer_id[peer_id] = rank
         moves = self.topology.place(rank) if self.placed else []
-        self.pullers.set(m, self._place(rank))
+        self.pullers.assign(m, self._place(rank))
         self._note(moves)
         if self.placed:  # the swarm; a rule-based plan stays a pure tree, to compare against
             self._partner(m)
@@ -160,16 +175,14 @@ class Tracker:
         for rank, stripe in moves:
             m = self.members.get(rank)
             if m is not None and not m.left:
-                self.unparented.add(m.parents[stripe])
-                self.pullers.set(m, self.topology.parent[stripe][rank], stripe)
+                self.pullers.move(m, stripe, self.topology.parent[stripe][rank])
                 if not m.done:  # a done peer pulls nothing: no need to tell it
                     self.moved.append(rank)
 
     def take_unparented(self) -> set[int]:
         """Ranks that lost a dependent (done, gone, or moved by a plan change) since the last call:
         one waiting to leave may go now."""
-        out, self.unparented = self.unparented, set()
-        return out
+        return self.pullers.take_lost()
 
     def take_moved(self) -> list[int]:
         """Ranks whose parents or partners changed since the last call (each must be told)."""
@@ -191,8 +204,7 @@ class Tracker:
             m = self.members.get(child)
             if m is None or m.left or m.done or m.parents[stripe] == member.rank:
                 continue
-            self.unparented.add(m.parents[stripe])
-            self.pullers.set(m, member.rank, stripe)
+            self.pullers.move(m, stripe, member.rank)
             if m not in moved:
                 moved.append(m)
         return moved
@@ -225,7 +237,7 @@ class Tracker:
     def done(self, rank: int, seconds: float | None = None) -> None:
         m = self._member(rank)
         m.done, m.seconds = True, seconds
-        self.unparented.update(m.parents)  # it pulls from them no more
+        self.pullers.stop(m)
 
     def dependents(self, rank: int) -> list[int]:
         """Unfinished peers that pull from ``rank`` in some stripe."""
@@ -246,7 +258,7 @@ class Tracker:
         Re-attaches its direct dependents to their nearest live ancestor (their own
         subtrees stay under them) and returns them as (rank, stripe) pairs to notify."""
         was_left, self._member(rank).left = self._member(rank).left, True
-        self.unparented.update(self._member(rank).parents)  # it pulls from them no more
+        self.pullers.stop(self._member(rank))
         for m in self.members.values():
             if rank in m.partners:
                 m.partners.remove(rank)
@@ -260,7 +272,7 @@ class Tracker:
                 continue
             for stripe, parent in enumerate(m.parents):
                 if parent == rank:
-                    self.pullers.set(m, self._ancestor(rank, stripe), stripe)
+                    self.pullers.move(m, stripe, self._ancestor(rank, stripe))
                     moved.append((m.rank, stripe))
         return moved
 
@@ -283,8 +295,7 @@ class Tracker:
             if self.placed:
                 self._note([self.topology.move(rank, stripe, avoid=parent)])
             else:
-                self.unparented.add(parent)
-                self.pullers.set(m, self._ancestor(parent, stripe) if parent != ROOT else ROOT, stripe)
+                self.pullers.move(m, stripe, self._ancestor(parent, stripe) if parent != ROOT else ROOT)
         return m.parents[stripe]
 
     def touch(self, rank: int, have: int | None = None, rates: dict | None = None) -> None:

@@ -345,7 +345,7 @@ def test_the_command_line_s_first_window_is_the_scheduler_s():
     from p2pweights import cli
     from p2pweights.pull import DEFAULT_WINDOW
 
-    assert cli.FIRST_WINDOW == DEFAULT_WINDOW  # the CLI keeps its own copy to parse without numpy
+    assert cli.FIRST_WINDOW == DEFAULT_WINDOW  # the CLI's --window default
 
 
 def test_a_have_of_chunks_held_or_asked_already_decides_nothing_again_one_offering_more_does():
