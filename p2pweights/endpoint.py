@@ -200,7 +200,7 @@ class TrackerEndpoint:
             return
         self.next_review = now + REVIEW_INTERVAL
         demoted = self.tracker.slow_hosts()
-        up = self.tracker.uplinks() if demoted else {}  # what they were judged on, for the log
+        up = self.tracker.judged  # what they were judged on (before their moves), for the log
         for rank in demoted:
             log.warning("peer rank %d delivers %.1f MB/s, well below the fleet's %.1f (median): it becomes a leaf",
                         rank, up.get(rank, 0.0) / 1e6, statistics.median(v for r, v in up.items() if r != rank) / 1e6)

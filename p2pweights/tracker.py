@@ -4,7 +4,8 @@ It gives each joining peer a rank in join order, its planned parent in every
 stripe tree (the plan: a ``Forest`` placed as peers join, or a rule-based
 topology, skipping parents that have left), and a few partners: other peers
 it may also pull from.  Peers report the rate they get from each partner; a
-host whose uplink delivers well below the fleet's is demoted to a leaf
+host whose uplink delivers well below the fleet's to the peers it is the
+planned parent of is demoted to a leaf
 (``slow_hosts``), and so is one whose probe at join (``PROBE_BYTES`` sent to
 the tracker, timed on arrival: ``probed``) ran well below the others', before
 it forwards anything.  It records who is done and lets a peer leave only once no
@@ -119,6 +120,7 @@ class Tracker:
         self.rng = random.Random(0x9E3779B9)
         self.probes: list[float] = []  # every probe rate in, sorted (their median judges each)
         self.unsettled: set[int] = set()  # probed before PROBE_QUORUM probes were in: judged again
+        self.judged: dict[int, float] = {}  # the uplinks the last review judged (rank -> bytes/s)
 
     def alive(self) -> set[int]:
         return {r for r, m in self.members.items() if not m.left}
@@ -310,13 +312,17 @@ class Tracker:
             m.rates = rates
 
     def uplinks(self) -> dict[int, float]:
-        """Each live peer's delivered upload rate: what its partners report getting from it."""
+        """Each live forwarder's delivered upload rate: what the peers it is the planned parent of
+        report getting from it.  Partners that only take help from it are left out: each measures
+        a link while it has requests there, a few at a time, so their sum counts one uplink several
+        times over (a quarter-rate host helping five partners looked as fast as the others)."""
         up: dict[int, float] = {}
         for m in self.members.values():
             if m.left or m.done:
                 continue
-            for r, rate in m.rates.items():
-                if r != ROOT:
+            for r in set(m.parents):
+                rate = m.rates.get(r)
+                if r != ROOT and rate is not None:
                     up[r] = up.get(r, 0.0) + rate
         return up
 
@@ -327,7 +333,7 @@ class Tracker:
         forwarders are judged, against the median of the others' delivered rates."""
         if not self.placed:
             return []
-        up = self.uplinks()
+        up = self.judged = self.uplinks()
         demoted = []
         for r, rate in up.items():
             m = self.members.get(r)

@@ -115,6 +115,27 @@ def test_forest_slow_host_is_demoted_to_a_leaf_from_its_partners_reports():
     assert t.slow_hosts() == []  # once
 
 
+def test_a_slow_forwarder_is_judged_by_its_children_not_by_partners_it_helps_now_and_then():
+    # each partner taking a help chunk now and then measures the slow uplink while it has a request
+    # there, alone on it: their sum counted one quarter-rate uplink five times and it was kept
+    t = Tracker(make("forest:2"), "", clock=lambda: 0.0)
+    for i in range(1, 9):
+        t.join(f"p{i}", f"10.0.0.{i}:7000")
+    f = t.topology
+    slow = next(r for r in range(1, 9) if f.kids[f.group[r]][r])
+    for r, m in t.members.items():
+        m.rates = {p: (10e6 if p == slow and p in m.parents else 40e6) for p in set(m.parents) | set(m.partners)
+                   if p}
+    assert any(slow in m.rates and slow not in m.parents for m in t.members.values())  # it helps some
+    up = t.uplinks()
+    assert up[slow] == 10e6 * sum(slow in m.parents for m in t.members.values())
+    from p2pweights.tracker import SLOW_EVIDENCE
+
+    for _ in range(SLOW_EVIDENCE):
+        demoted = t.slow_hosts()
+    assert demoted == [slow] and t.judged[slow] == up[slow]
+
+
 def test_forest_partners_are_told_how_many_peers_each_one_feeds_further_down():
     t = forest_tracker(8)
     f = t.topology
