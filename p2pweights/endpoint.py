@@ -176,7 +176,12 @@ class TrackerEndpoint:
         self.tracker.touch(rank, have=have, rates=rates)
 
     def status(self, ident: bytes, f: dict) -> None:
-        """Anyone (no join needed) asks for the fleet: the latest snapshot, at most fleet.MAX_LISTED peers."""
+        """Anyone (no join needed) asks for the fleet: at most fleet.MAX_LISTED peers of a snapshot taken
+        now where something changed since the last (unless snapshots would take over ``SNAPSHOT_SHARE``
+        of the loop), else the latest: a peer that just exited is shown as it left."""
+        now = self.clock()
+        if self.changed and now >= self.snapshot_at + self.snapshot_cost / SNAPSHOT_SHARE:
+            self._snapshot(now)
         if self.fleet_frame is None:
             self.fleet_frame = self.fleet.encode()
         self._send(ident, protocol.control(Msg.STATUS_REPLY, peers=len(self.fleet.peers),
@@ -187,6 +192,9 @@ class TrackerEndpoint:
         wait = max(SNAPSHOT_MIN if self.changed else SNAPSHOT_INTERVAL, self.snapshot_cost / SNAPSHOT_SHARE)
         if now < self.snapshot_at + wait:
             return None
+        return self._snapshot(now)
+
+    def _snapshot(self, now: float) -> fleet.Fleet:
         t0 = time.perf_counter()
         self.changed, self.snapshot_at = False, now
         self.fleet, self.fleet_frame = fleet.snapshot(self.tracker, self.manifest), None

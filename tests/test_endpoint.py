@@ -142,6 +142,19 @@ def test_leave_waits_for_dependents_and_is_let_go_when_the_last_is_done(manifest
     assert ident == b"anyone" and e.type == Msg.STATUS_REPLY and e.fields["peers"] == 4
 
 
+def test_status_right_after_a_change_shows_it(manifest):
+    # a user runs p2pw status the moment a join exits: the reply is taken now, not up to a snapshot
+    # interval old (it showed the peer waiting at 0 %)
+    ep, clock = endpoint(manifest)
+    join(ep, 2)
+    assert ep.publish(clock.t + 1.0) is not None  # a snapshot of two peers waiting
+    clock.t += 1.01  # 10 ms later: the next snapshot would be due 90 ms on
+    ep.done(b"id1", {})
+    ep.status(b"anyone", {})
+    [(_, e)] = [x for x in sent(ep) if x[1].type == Msg.STATUS_REPLY]
+    assert [(p.rank, p.state) for p in ep.fleet.peers] == [(2, "waiting"), (1, "done")]
+
+
 def test_a_member_waiting_to_leave_is_let_go_when_its_dependent_disconnects(manifest):
     ep, _ = endpoint(manifest)
     join(ep, 4)
