@@ -167,13 +167,9 @@ class TrackerEndpoint:
         rank = self.members.get(ident)
         if rank is None:
             return
-        rates = f.get("links")
-        try:
-            rates = {int(r): float(v) for r, v in rates.items()} if isinstance(rates, dict) else None
-        except (TypeError, ValueError):
-            raise ProtocolError("HEARTBEAT links is not a map of rank to rate") from None
+        rates, got = _rate_map(f, "links"), _rate_map(f, "got")
         have = f.get("have") if isinstance(f.get("have"), int) else None
-        self.tracker.touch(rank, have=have, rates=rates)
+        self.tracker.touch(rank, have=have, rates=rates, delivered=got)
 
     def status(self, ident: bytes, f: dict) -> None:
         """Anyone (no join needed) asks for the fleet: at most fleet.MAX_LISTED peers of a snapshot taken
@@ -245,3 +241,12 @@ class TrackerEndpoint:
 
     HANDLERS = {Msg.HELLO: hello, Msg.PROBE: probe, Msg.DONE: done, Msg.LEAVE: leave, Msg.BYE: bye,
                 Msg.ORPHAN: orphan, Msg.HEARTBEAT: heartbeat, Msg.STATUS: status}
+
+
+def _rate_map(f: dict, key: str) -> dict[int, float] | None:
+    """A HEARTBEAT's map of partner rank -> bytes/s under ``key`` (None: not sent)."""
+    rates = f.get(key)
+    try:
+        return {int(r): float(v) for r, v in rates.items()} if isinstance(rates, dict) else None
+    except (TypeError, ValueError):
+        raise ProtocolError(f"HEARTBEAT {key} is not a map of rank to rate") from None

@@ -40,14 +40,22 @@ class Membership:
         self.lost: dict[int, tuple[str, bool]] = {}  # planned rank given up -> (why, dead), until re-planned
         self.lost_reported: dict[int, float] = {}  # planned rank -> when we last sent ORPHAN for it
         self.probe_due = _probe_size(probe)  # bytes to send the tracker as a probe at the next tick
+        self.beat_at, self.received = now, {}  # the last heartbeat, and each link's bytes by then
 
     def post(self, frame: bytes) -> bool:
         return self.node._post(self.socket, frame)
 
     def heartbeat(self) -> None:
-        """What we hold and what each partner delivers (bytes/s): the tracker's view of the fleet."""
-        rates = {str(r): round(lk.rate) for r, lk in self.node.pull.links.items() if lk.rate > 0}
-        self.post(protocol.control(Msg.HEARTBEAT, have=self.node.store.count, links=rates))
+        """What we hold and, of each partner, the rate it delivers while asked (``links``) and the
+        bytes/s it delivered since the last heartbeat (``got``), both in bytes/s: the tracker's view
+        of the fleet."""
+        now, links = self.node.clock(), self.node.pull.links
+        rates = {str(r): round(lk.rate) for r, lk in links.items() if lk.rate > 0}
+        span, before = now - self.beat_at, self.received
+        got = {str(r): round((lk.received - before.get(r, 0)) / span) for r, lk in links.items()
+               if lk.received > before.get(r, 0)} if span > 0 else {}
+        self.beat_at, self.received = now, {r: lk.received for r, lk in links.items()}
+        self.post(protocol.control(Msg.HEARTBEAT, have=self.node.store.count, links=rates, got=got))
 
     def heard_from(self, now: float) -> None:
         self.heard = now

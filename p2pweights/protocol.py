@@ -62,7 +62,7 @@ class Msg(IntEnum):
     LEAVE = 10      # peer -> tracker: {rank}
     LEAVE_OK = 11   # tracker -> peer: {}
     LEAVE_WAIT = 12  # tracker -> peer: {waiting_for}
-    HEARTBEAT = 13  # either way: {}; peer -> tracker adds {have, links: {rank: bytes/s}} (what it measures)
+    HEARTBEAT = 13  # either way: {}; peer -> tracker adds {have, links, got: {rank: bytes/s}} (what it measures)
     REPARENT = 14   # tracker -> peer: {parents, partners?}: its plan changed
     BYE = 15        # peer -> tracker, and node -> the partners it serves: {rank}; it is leaving now
     ORPHAN = 16     # peer -> tracker: {rank, stripe, parent, reason, dead}; another parent in that stripe

@@ -28,7 +28,8 @@ ROOT = 0
 PARTNERS = 4  # partners a joiner is given besides its planned parents
 MAX_PARTNERS = 8  # partners one peer is given in all (newcomers also partner with earlier peers)
 SLOW_FRACTION = 0.33  # a host delivering below this share of the fleet's median uplink is demoted
-SLOW_EVIDENCE = 2  # consecutive rate reviews (one per heartbeat, 0.5 s) that must find a host slow before it is demoted
+SLOW_EVIDENCE = 1  # consecutive rate reviews (one per heartbeat, 0.5 s) that must find a host slow before it is demoted
+#                   (one: each judges both what its children get while asking and what all its partners got)
 PROBE_BYTES = 512 << 10  # a joiner sends the tracker this much twice (WELCOME asks); its arrival times the uplink
 PROBE_MIN_TIME = 0.1  # seconds: a probe that took less proves nothing slow (loop and scheduling pauses are shorter)
 PROBE_QUORUM = 5  # probes in before a probe judged against their median is settled (earlier ones are judged again)
@@ -48,7 +49,8 @@ class Member:
     seconds: float | None = None
     seen: float = field(default_factory=time.monotonic)
     partners: list[int] = field(default_factory=list)
-    rates: dict[int, float] = field(default_factory=dict)  # partner rank -> bytes/s it delivers to this peer
+    rates: dict[int, float] = field(default_factory=dict)  # partner rank -> bytes/s it delivers while asked
+    delivered: dict[int, float] = field(default_factory=dict)  # partner rank -> bytes/s it delivered lately
     have: int = 0  # chunks verified, as last reported
     slow_seen: int = 0  # consecutive reviews that found its uplink slow
     demoted: bool = False
@@ -300,8 +302,10 @@ class Tracker:
                 self.pullers.move(m, stripe, self._ancestor(parent, stripe) if parent != ROOT else ROOT)
         return m.parents[stripe]
 
-    def touch(self, rank: int, have: int | None = None, rates: dict | None = None) -> None:
-        """``rank`` is alive; it holds ``have`` chunks and gets ``rates`` (partner rank -> bytes/s)."""
+    def touch(self, rank: int, have: int | None = None, rates: dict | None = None,
+              delivered: dict | None = None) -> None:
+        """``rank`` is alive; it holds ``have`` chunks and gets ``rates`` while it asks, and got
+        ``delivered`` since its last report (both partner rank -> bytes/s)."""
         m = self.members.get(rank)
         if m is None:
             return
@@ -310,21 +314,28 @@ class Tracker:
             m.have = have
         if rates is not None:
             m.rates = rates
+        if delivered is not None:
+            m.delivered = delivered
 
     def uplinks(self) -> dict[int, float]:
-        """Each live forwarder's delivered upload rate: what the peers it is the planned parent of
-        report getting from it.  Partners that only take help from it are left out: each measures
-        a link while it has requests there, a few at a time, so their sum counts one uplink several
-        times over (a quarter-rate host helping five partners looked as fast as the others)."""
-        up: dict[int, float] = {}
+        """Each live forwarder's upload rate as its partners see it: the larger of what the peers
+        it is the planned parent of get from it while they ask, and what all its partners got from
+        it lately.  The first alone misses a fast host busy helping many partners (its children
+        get a share); the rates of its help links are no measure, since each is taken while a
+        request or two is served alone on the uplink, so their sum counted a quarter-rate host
+        several times over; the bytes all its partners got cannot exceed its uplink."""
+        planned: dict[int, float] = {}
+        got: dict[int, float] = {}
         for m in self.members.values():
             if m.left or m.done:
                 continue
             for r in set(m.parents):
                 rate = m.rates.get(r)
                 if r != ROOT and rate is not None:
-                    up[r] = up.get(r, 0.0) + rate
-        return up
+                    planned[r] = planned.get(r, 0.0) + rate
+            for r, v in m.delivered.items():
+                got[r] = got.get(r, 0.0) + v
+        return {r: max(rate, got.get(r, 0.0)) for r, rate in planned.items()}
 
     def slow_hosts(self) -> list[int]:
         """Review the reported rates; demote hosts slow in SLOW_EVIDENCE reviews in a row.

@@ -116,8 +116,12 @@ def test_heartbeats_with_a_slow_forwarder_demote_it_after_repeated_reviews(manif
         ep.review()
     assert ep.tracker.members[slow].demoted
     assert any(e.type == Msg.REPARENT for _, e in sent(ep))
-    with pytest.raises(ProtocolError):
-        ep.heartbeat(b"id1", {"links": {"x": "y"}})
+    ep.heartbeat(b"id1", {"have": 3, "links": {"2": 5e6}, "got": {"2": 4e6, "3": 1e6}})
+    m = ep.tracker.members[1]
+    assert (m.have, m.rates, m.delivered) == (3, {2: 5e6}, {2: 4e6, 3: 1e6})
+    for garbage in ({"links": {"x": "y"}}, {"got": {"2": "fast"}}, {"got": {"two": 1.0}}):
+        with pytest.raises(ProtocolError):
+            ep.heartbeat(b"id1", garbage)
 
 
 def test_leave_waits_for_dependents_and_is_let_go_when_the_last_is_done(manifest):

@@ -115,18 +115,27 @@ def test_forest_slow_host_is_demoted_to_a_leaf_from_its_partners_reports():
     assert t.slow_hosts() == []  # once
 
 
-def test_a_slow_forwarder_is_judged_by_its_children_not_by_partners_it_helps_now_and_then():
-    # each partner taking a help chunk now and then measures the slow uplink while it has a request
-    # there, alone on it: their sum counted one quarter-rate uplink five times and it was kept
+def forest_with_reports(rate, delivered, n=8):
+    """A forest:2 fleet of ``n`` and a forwarder ``x`` in it; every member reports ``rate(p, m)``
+    (while asked) and ``delivered(p, m)`` (bytes/s lately) of each parent and partner ``p``."""
     t = Tracker(make("forest:2"), "", clock=lambda: 0.0)
-    for i in range(1, 9):
+    for i in range(1, n + 1):
         t.join(f"p{i}", f"10.0.0.{i}:7000")
     f = t.topology
-    slow = next(r for r in range(1, 9) if f.kids[f.group[r]][r])
-    for r, m in t.members.items():
-        m.rates = {p: (10e6 if p == slow and p in m.parents else 40e6) for p in set(m.parents) | set(m.partners)
-                   if p}
-    assert any(slow in m.rates and slow not in m.parents for m in t.members.values())  # it helps some
+    x = next(r for r in range(1, n + 1) if f.kids[f.group[r]][r])
+    for m in t.members.values():
+        ps = [p for p in set(m.parents) | set(m.partners) if p]
+        t.touch(m.rank, rates={p: rate(p, m, x) for p in ps}, delivered={p: delivered(p, m, x) for p in ps})
+    assert any(x in m.rates and x not in m.parents for m in t.members.values())  # it helps some
+    return t, x
+
+
+def test_a_slow_forwarder_is_judged_by_its_children_not_by_partners_it_helps_now_and_then():
+    # each partner taking a help chunk now and then measures the slow uplink while it has a request
+    # there, alone on it (40 MB/s "while asked"): their sum counted one quarter-rate uplink five
+    # times over and it was kept; the bytes they all got from it are bounded by its uplink
+    t, slow = forest_with_reports(lambda p, m, x: 10e6 if p == x and p in m.parents else 40e6,
+                                  lambda p, m, x: 1e6 if p == x else 20e6)
     up = t.uplinks()
     assert up[slow] == 10e6 * sum(slow in m.parents for m in t.members.values())
     from p2pweights.tracker import SLOW_EVIDENCE
@@ -134,6 +143,16 @@ def test_a_slow_forwarder_is_judged_by_its_children_not_by_partners_it_helps_now
     for _ in range(SLOW_EVIDENCE):
         demoted = t.slow_hosts()
     assert demoted == [slow] and t.judged[slow] == up[slow]
+
+
+def test_a_fast_forwarder_busy_helping_is_judged_by_all_it_delivered_and_kept():
+    # its children get a share of its uplink while others take help from it: their rates alone
+    # look slow, but what all its partners got from it lately is what a fast uplink delivers
+    t, busy = forest_with_reports(lambda p, m, x: 3e6 if p == x and p in m.parents else 40e6,
+                                  lambda p, m, x: 12e6 if p == x else 8e6)
+    up = t.uplinks()
+    assert up[busy] == 12e6 * sum(busy in m.delivered for m in t.members.values()) > 40e6
+    assert [r for _ in range(3) for r in t.slow_hosts()] == []
 
 
 def test_forest_partners_are_told_how_many_peers_each_one_feeds_further_down():
