@@ -61,6 +61,24 @@ class TrackerError(UserError, ValueError):
     """A membership request the tracker refuses."""
 
 
+def uplinks(members) -> dict[int, float]:
+    """Each forwarder's upload rate as ``members`` see it: the larger of what the peers it is the
+    planned parent of get from it while they ask, and what all its partners got from it lately.
+    The first alone misses a fast host busy helping many partners (its children get a share); the
+    rates of its help links are no measure, since each is taken while a request or two is served
+    alone on the uplink, so their sum counted a quarter-rate host several times over; the bytes
+    all its partners got cannot exceed its uplink."""
+    planned: dict[int, float] = {}
+    got: dict[int, float] = {}
+    for m in members:
+        for r in set(m.parents):
+            rate = m.rates.get(r)
+            if r != ROOT and rate is not None:
+                planned[r] = planned.get(r, 0.0) + rate
+        for r, v in m.delivered.items():
+            got[r] = got.get(r, 0.0) + v
+    return {r: max(rate, got.get(r, 0.0)) for r, rate in planned.items()}
+
 class Pullers:
     """Who pulls from whom; every change of a member's parents goes through here.
 
@@ -318,24 +336,8 @@ class Tracker:
             m.delivered = delivered
 
     def uplinks(self) -> dict[int, float]:
-        """Each live forwarder's upload rate as its partners see it: the larger of what the peers
-        it is the planned parent of get from it while they ask, and what all its partners got from
-        it lately.  The first alone misses a fast host busy helping many partners (its children
-        get a share); the rates of its help links are no measure, since each is taken while a
-        request or two is served alone on the uplink, so their sum counted a quarter-rate host
-        several times over; the bytes all its partners got cannot exceed its uplink."""
-        planned: dict[int, float] = {}
-        got: dict[int, float] = {}
-        for m in self.members.values():
-            if m.left or m.done:
-                continue
-            for r in set(m.parents):
-                rate = m.rates.get(r)
-                if r != ROOT and rate is not None:
-                    planned[r] = planned.get(r, 0.0) + rate
-            for r, v in m.delivered.items():
-                got[r] = got.get(r, 0.0) + v
-        return {r: max(rate, got.get(r, 0.0)) for r, rate in planned.items()}
+        """Each live forwarder's upload rate as its partners see it (``uplinks``)."""
+        return uplinks(m for m in self.members.values() if not m.left and not m.done)
 
     def slow_hosts(self) -> list[int]:
         """Review the reported rates; demote hosts slow in SLOW_EVIDENCE reviews in a row.
@@ -363,14 +365,17 @@ class Tracker:
         so a slow uplink is a leaf before it forwards anything (a review needs a chunk from it
         first: at a quarter of 100 Mbit/s, 2-3 s of a stripe held up).  Each is judged on its
         arrival, and again on every later one until ``PROBE_QUORUM`` probes are in (the first
-        joiners have few to be judged against).  Returns the demoted ranks (their moves are in
-        ``take_moved``)."""
+        joiners have few to be judged against).  A probe from a host that already has children
+        when it arrives judges nobody (it counts in the median): it shared the uplink with the
+        chunks they pulled, so it ran at a share of the uplink (a fast early joiner feeding two
+        peers sent its probe at a third of the others' rate and was demoted); the reviews judge
+        such a host.  Returns the demoted ranks (their moves are in ``take_moved``)."""
         m = self.members.get(rank)
         if m is None or not self.placed or rate <= 0 or m.probe:
             return []
         m.probe = rate
         bisect.insort(self.probes, rate)
-        if long:
+        if long and not any(self.topology.load(rank, s) for s in range(self.topology.k)):
             self.unsettled.add(rank)
         if len(self.probes) < 3:
             return []

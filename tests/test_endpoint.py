@@ -35,8 +35,11 @@ def sent(ep) -> list[tuple[bytes, protocol.Event]]:
 
 
 def join(ep, n):
-    for i in range(1, n + 1):
-        assert ep.hello(f"id{i}".encode(), {"peer_id": f"p{i}", "listen": f"10.0.0.{i}:7000"})
+    return [x for i in range(1, n + 1) for x in join_one(ep, i)]
+
+
+def join_one(ep, i):
+    assert ep.hello(f"id{i}".encode(), {"peer_id": f"p{i}", "listen": f"10.0.0.{i}:7000"})
     return sent(ep)
 
 
@@ -195,23 +198,26 @@ def test_probes_time_each_joiner_s_uplink_and_a_slow_one_is_a_leaf_at_once(manif
     from p2pweights.tracker import PROBE_BYTES, PROBE_MIN_TIME
 
     ep, clock = endpoint(manifest)
-    welcomes = join(ep, 6)
-    assert all(e.fields["probe"] == PROBE_BYTES for _, e in welcomes if e.type == Msg.WELCOME)
+    welcomes = join(ep, 1)  # the others join one by one below, each probing before anyone is under it
+    slow = 5  # placed as a leaf: it feeds nobody when its probe arrives (4 and 6 adopt one at once)
     ep.probe(b"id1", {"seq": 2}, bytes(PROBE_BYTES))  # no seq 0 first: ignored
     ep.probe(b"id1", {"seq": 0}, b"")
     ep.probe(b"id1", {"seq": 1}, bytes(100))  # too small to time: ignored, and the probe starts over
     assert ep.tracker.probes == []
     for r in range(1, 7):
-        per = 4 * PROBE_MIN_TIME if r == 2 else PROBE_MIN_TIME  # rank 2's uplink: a quarter of the others'
+        if r > 1:
+            welcomes += join_one(ep, r)
+        per = 4 * PROBE_MIN_TIME if r == slow else PROBE_MIN_TIME  # its uplink: a quarter of the others'
         ep.probe(f"id{r}".encode(), {"seq": 0}, b"")
         clock.t += per * (3 if r == 4 else 1)  # rank 4's first padding waited on a paused loop
         ep.probe(f"id{r}".encode(), {"seq": 1}, bytes(PROBE_BYTES))
         clock.t += per
         with caplog.at_level(logging.WARNING, logger="p2pw"):
             ep.probe(f"id{r}".encode(), {"seq": 2}, bytes(PROBE_BYTES))
-    assert [r for r, m in ep.tracker.members.items() if m.demoted] == [2]
-    assert "rank 2 sent its probe at" in caplog.text and "becomes a leaf" in caplog.text
-    told = {ident for ident, e in sent(ep) if e.type == Msg.REPARENT}
+    assert [e.fields["probe"] for _, e in welcomes if e.type == Msg.WELCOME] == [PROBE_BYTES] * 6
+    assert [r for r, m in ep.tracker.members.items() if m.demoted] == [slow]
+    assert f"rank {slow} sent its probe at" in caplog.text and "becomes a leaf" in caplog.text
+    told = {ident for ident, e in welcomes + sent(ep) if e.type == Msg.REPARENT}
     assert told  # whoever it fed, or partnered, learns its new place
     with pytest.raises(ProtocolError):
         ep.probe(b"stranger", {"seq": 0}, b"")
