@@ -365,17 +365,17 @@ class Tracker:
         so a slow uplink is a leaf before it forwards anything (a review needs a chunk from it
         first: at a quarter of 100 Mbit/s, 2-3 s of a stripe held up).  Each is judged on its
         arrival, and again on every later one until ``PROBE_QUORUM`` probes are in (the first
-        joiners have few to be judged against).  A host that already has k children when its
-        probe arrives sent it beside the chunks they pull, on about 1 / (k + 1) of its uplink,
-        so its rate counts k + 1 times (a fast early joiner feeding two peers sent its probe at
-        a third of the others' rate and was demoted).  Returns the demoted ranks (their moves are
-        in ``take_moved``)."""
+        joiners have few to be judged against).  A probe from a host that already has children
+        when it arrives judges nobody (it counts in the median): it shared the uplink with the
+        chunks they pulled, so it ran at a share of the uplink (a fast early joiner feeding two
+        peers sent its probe at a third of the others' rate and was demoted); the reviews judge
+        such a host.  Returns the demoted ranks (their moves are in ``take_moved``)."""
         m = self.members.get(rank)
         if m is None or not self.placed or rate <= 0 or m.probe:
             return []
-        m.probe = rate = rate * (1 + sum(self.topology.load(rank, s) for s in range(self.topology.k)))
+        m.probe = rate
         bisect.insort(self.probes, rate)
-        if long:
+        if long and not any(self.topology.load(rank, s) for s in range(self.topology.k)):
             self.unsettled.add(rank)
         if len(self.probes) < 3:
             return []

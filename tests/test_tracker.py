@@ -272,7 +272,7 @@ def test_forest_a_host_whose_probe_runs_far_below_the_others_is_a_leaf_before_it
     # a stripe's root and slow, and its probe (timed at the tracker) is judged once three are in,
     # and again until PROBE_QUORUM are in, so it is demoted before a review could have seen a chunk
     # from it; a probe too short to time (on loopback, or at 100 Gbit/s) demotes nobody, and
-    # neither does one a fast host sent while feeding children (it got a share of its uplink)
+    # neither does one from a host that already feeds children (it got a share of its uplink)
     from p2pweights.tracker import PROBE_QUORUM
 
     t = Tracker(make("forest:2"), "")
@@ -291,11 +291,7 @@ def test_forest_a_host_whose_probe_runs_far_below_the_others_is_a_leaf_before_it
     t2 = forest_tracker(8)
     assert [r for r in range(1, 9) for _ in t2.probed(r, rates[r], long=False)] == []  # too short to prove slow
     assert not any(m.demoted for m in t2.members.values()) and len(t2.probes) == 8 >= PROBE_QUORUM
-    # probes that ran beside the chunks their hosts' k children pull, at 1 / (k + 1) of the uplink:
-    # each counts k + 1 times, so the fast forwarders (a third of the rate a leaf shows) are kept
     t3 = forest_tracker(8)
-    load = {r: sum(t3.topology.load(r, s) for s in range(2)) for r in range(1, 9)}
-    slow3 = max(load, key=load.get)
-    assert load[slow3] >= 2
-    got3 = [d for r in range(1, 9) for d in t3.probed(r, (3e6 if r == slow3 else 12e6) / (1 + load[r]))]
-    assert got3 == [slow3]
+    busy = next(r for r in range(1, 9) if any(t3.topology.load(r, s) for s in range(2)))
+    assert [d for r in range(1, 9) for d in t3.probed(r, 3e6 if r == busy else 12e6)] == []
+    assert not t3.members[busy].demoted  # the reviews judge it
