@@ -3,12 +3,11 @@
 It gives each joining peer a rank in join order, its planned parent in every
 stripe tree (the plan: a ``Forest`` placed as peers join, or a rule-based
 topology, skipping parents that have left), and a few partners: other peers
-it may also pull from.  Peers report the rate they get from each partner; a
-host whose uplink delivers well below the fleet's to the peers it is the
-planned parent of is demoted to a leaf
-(``slow_hosts``), and so is one whose probe at join (``PROBE_BYTES`` sent to
-the tracker, timed on arrival: ``probed``) ran well below the others', before
-it forwards anything.  It records who is done and lets a peer leave only once no
+it may also pull from.  Peers report what each partner delivers to them; a
+host whose uplink, as they see it (``uplinks``), falls well below the fleet's
+is demoted to a leaf (``slow_hosts``), and so is one that feeds nobody yet
+whose probe at join (``PROBE_BYTES`` sent to the tracker, timed on arrival:
+``probed``) ran well below the others', before it forwards anything.  It records who is done and lets a peer leave only once no
 unfinished peer depends on it, so a relay never strands its subtree.  Pure
 state with an injected clock: the endpoint (``endpoint.TrackerEndpoint``) feeds
 it events and sends what it returns.
@@ -78,6 +77,7 @@ def uplinks(members) -> dict[int, float]:
         for r, v in m.delivered.items():
             got[r] = got.get(r, 0.0) + v
     return {r: max(rate, got.get(r, 0.0)) for r, rate in planned.items()}
+
 
 class Pullers:
     """Who pulls from whom; every change of a member's parents goes through here.

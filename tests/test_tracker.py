@@ -130,7 +130,7 @@ def forest_with_reports(rate, delivered, n=8):
     return t, x
 
 
-def test_a_slow_forwarder_is_judged_by_its_children_not_by_partners_it_helps_now_and_then():
+def test_a_slow_forwarder_helping_now_and_then_is_judged_by_what_it_delivers():
     # each partner taking a help chunk now and then measures the slow uplink while it has a request
     # there, alone on it (40 MB/s "while asked"): their sum counted one quarter-rate uplink five
     # times over and it was kept; the bytes they all got from it are bounded by its uplink
