@@ -32,6 +32,8 @@ import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from .chunkset import bitset
+
 MAGIC = b"P2W"
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<3sBB")
@@ -128,21 +130,16 @@ def chunk_list(kind: Msg, chunks) -> bytes:
     return _header(kind) + struct.pack(f"<{len(chunks)}I", *chunks)
 
 
-_ASCII_BITS = bytes.maketrans(b"\x00\x01", b"01")
 _REVERSED = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))  # each byte's bits in the other order
 
 
 def pack_bits(flags) -> bytes:
     """ATTACHED's bitfield of a bytes-like of 0/1 per chunk: chunk 0 is the first byte's highest bit."""
-    raw = bytes(flags)
-    if not raw:
-        return b""
-    raw += bytes(-len(raw) % 8)
-    return int(raw.translate(_ASCII_BITS), 2).to_bytes(len(raw) // 8, "big")
+    return bitset(flags).to_bytes((len(flags) + 7) // 8, "little").translate(_REVERSED)
 
 
 def unpack_bits(bits: bytes, n: int) -> int:
-    """The chunks an ATTACHED bitfield of ``n`` chunks sets, as a bitset (an int, bit i for chunk i)."""
+    """The chunks an ATTACHED bitfield of ``n`` chunks sets, as a ``chunkset`` bitset."""
     return int.from_bytes(bytes(bits).translate(_REVERSED), "little") & ((1 << n) - 1)
 
 

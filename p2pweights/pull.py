@@ -45,9 +45,7 @@ A request outstanding far longer than its link's rate explains is re-asked
 elsewhere (``stalled``); a dropped link gives its requests back at once.
 
 Sets of chunks (what we hold, what a partner holds, what is in flight) are
-Python ints used as bitsets, bit i for chunk i: the set operations are single
-C calls, cheaper than numpy's per-call cost at these sizes, and a joiner need
-not import numpy.
+``chunkset`` bitsets: Python ints, bit i for chunk i.
 """
 from __future__ import annotations
 
@@ -56,6 +54,8 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+
+from .chunkset import bitset, bitset_of, indices_of, lowest_of, stripe_mask
 
 DEFAULT_WINDOW = 2  # a link's credit window until its first chunk measures its rate
 MIN_WINDOW = 2
@@ -597,51 +597,3 @@ def _endgame(sched: PullScheduler, ready: list[Link], out: dict) -> None:
             sched.asked[i].add(lk.rank)
             lk.outstanding[i] = now
             out.setdefault(lk.rank, []).append(i)
-
-
-# ----- bitsets: a Python int, bit i for chunk i ------------------------------
-
-_ASCII_BITS = bytes.maketrans(b"\x00\x01", b"01")
-
-
-def bitset(flags) -> int:
-    """The bitset of a sequence of truth values (a bytearray or array of 0/1, a list of bools), or an int."""
-    if isinstance(flags, int):
-        return flags
-    raw = bytes(bytearray(map(bool, flags))) if isinstance(flags, (list, tuple)) else bytes(flags)
-    return int(raw[::-1].translate(_ASCII_BITS), 2) if raw else 0
-
-
-def bitset_of(indices) -> int:
-    """The bitset of chunk ``indices``."""
-    bits = 0
-    for i in indices:
-        bits |= 1 << i
-    return bits
-
-
-def indices_of(bits: int) -> list[int]:
-    """The chunks in ``bits``, lowest first."""
-    text = bin(bits)[:1:-1]  # lowest bit first
-    out, i = [], text.find("1")
-    while i >= 0:
-        out.append(i)
-        i = text.find("1", i + 1)
-    return out
-
-
-def lowest_of(bits: int, k: int) -> list[int]:
-    """The lowest ``k`` chunks in ``bits``."""
-    out = []
-    while bits and len(out) < k:
-        low = bits & -bits
-        out.append(low.bit_length() - 1)
-        bits ^= low
-    return out
-
-
-def stripe_mask(n: int, stripes: int, s: int) -> int:
-    """The bitset of stripe ``s``: chunks i < ``n`` with i mod ``stripes`` == ``s``."""
-    unit = "".join("1" if j == s else "0" for j in range(stripes))  # lowest bit first
-    text = (unit * (n // stripes + 1))[:n]
-    return int(text[::-1], 2) if text else 0

@@ -23,7 +23,6 @@ import tempfile
 import threading
 import time
 
-
 from .errors import UserError
 
 PAGE = mmap.PAGESIZE

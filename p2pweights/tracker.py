@@ -7,10 +7,11 @@ it may also pull from.  Peers report what each partner delivers to them; a
 host whose uplink, as they see it (``uplinks``), falls well below the fleet's
 is demoted to a leaf (``slow_hosts``), and so is one that feeds nobody yet
 whose probe at join (``PROBE_BYTES`` sent to the tracker, timed on arrival:
-``probed``) ran well below the others', before it forwards anything.  It records who is done and lets a peer leave only once no
-unfinished peer depends on it, so a relay never strands its subtree.  Pure
-state with an injected clock: the endpoint (``endpoint.TrackerEndpoint``) feeds
-it events and sends what it returns.
+``probed``) ran well below the others', before it forwards anything.  It
+records who is done and lets a peer leave only once no unfinished peer
+depends on it, so a relay never strands its subtree.  Pure state with an
+injected clock: the endpoint (``endpoint.TrackerEndpoint``) feeds it events
+and sends what it returns.
 """
 from __future__ import annotations
 
