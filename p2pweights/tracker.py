@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -78,6 +77,15 @@ def uplinks(members) -> dict[int, float]:
         for r, v in m.delivered.items():
             got[r] = got.get(r, 0.0) + v
     return {r: max(rate, got.get(r, 0.0)) for r, rate in planned.items()}
+
+
+def median_without(ordered: list[float], x: float) -> float:
+    """``statistics.median`` of the sorted list ``ordered`` with one ``x`` taken out, without
+    copying it: a review judges every forwarder against the others (2,000 forwarders cost 0.3 CPU
+    s a review, every half second, when each took its own median)."""
+    j, m = bisect.bisect_left(ordered, x), len(ordered) - 1
+    lo, hi = (m - 1) // 2, m // 2
+    return (ordered[lo + (lo >= j)] + ordered[hi + (hi >= j)]) / 2
 
 
 class Pullers:
@@ -348,12 +356,13 @@ class Tracker:
         if not self.placed:
             return []
         up = self.judged = self.uplinks()
+        ordered = sorted(up.values())  # once: each host's reference is their median without it
         demoted = []
         for r, rate in up.items():
             m = self.members.get(r)
             if m is None or m.left or m.demoted or len(up) < 3:
                 continue
-            ref = statistics.median(v for k, v in up.items() if k != r)
+            ref = median_without(ordered, rate)
             m.slow_seen = m.slow_seen + 1 if rate < SLOW_FRACTION * ref else 0
             if m.slow_seen >= SLOW_EVIDENCE:
                 self._demote(m)

@@ -295,3 +295,20 @@ def test_forest_a_host_whose_probe_runs_far_below_the_others_is_a_leaf_before_it
     busy = next(r for r in range(1, 9) if any(t3.topology.load(r, s) for s in range(2)))
     assert [d for r in range(1, 9) for d in t3.probed(r, 3e6 if r == busy else 12e6)] == []
     assert not t3.members[busy].demoted  # the reviews judge it
+
+
+def test_a_forwarder_s_reference_is_the_median_of_the_others():
+    # the review sorts the rates once and takes each host out of the median in place; the same
+    # answers as a median of the list without it, duplicates and even lengths included
+    import random
+    import statistics
+
+    from p2pweights.tracker import median_without
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        values = [rng.choice([1.0, 2.0, 3.0, 5.0, rng.uniform(0, 10)]) for _ in range(rng.randint(2, 12))]
+        x = rng.choice(values)
+        rest = list(values)
+        rest.remove(x)
+        assert median_without(sorted(values), x) == statistics.median(rest)
