@@ -33,9 +33,11 @@ No sockets here: the tracker applies these rules, the simulator predicts them.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from .errors import UserError
+from .slotindex import UNPLACED, SlotIndex
 
 
 class PlanError(UserError, ValueError):
@@ -190,6 +192,8 @@ class Forest:
         self.parent: list[dict[int, int]] = [{} for _ in range(self.k)]  # per stripe: rank -> parent
         self.kids: list[dict[int, set]] = [{0: set()} for _ in range(self.k)]
         self.depth: list[dict[int, int]] = [{0: 0} for _ in range(self.k)]
+        self.index = SlotIndex(self.k)  # what the verbs look up instead of scanning every peer
+        self.index.update(self, 0)
 
     # ----- queries -----------------------------------------------------------
 
@@ -216,8 +220,8 @@ class Forest:
     def downstream(self, rank: int) -> int:
         """Peers that get a stripe through ``rank``'s children (its descendants below them, in every
         stripe): whom a slower uplink at ``rank`` holds back besides its own children."""
-        return sum(len(self._subtree(c, s)) for s in range(self.k) for c in self.kids[s].get(rank, ())) - \
-            sum(self.load(rank, s) for s in range(self.k))
+        size = self.index.size
+        return sum(size[s][c] - 1 for s in range(self.k) for c in self.kids[s].get(rank, ()))
 
     # ----- verbs -------------------------------------------------------------
 
@@ -227,9 +231,10 @@ class Forest:
         if rank in self.group:
             raise ValueError(f"rank {rank} is placed already")
         slots = max(0, round(self.k * share))
-        members = [sum(1 for g in self.group.values() if g == s) for s in range(self.k)]
+        members = self.index.members
         self.group[rank] = min(range(self.k), key=lambda s: (members[s], s)) if slots else None
         self.slots[rank] = slots
+        self.index.update(self, rank)
         for s in range(self.k):
             self.kids[s][rank] = set()
             self._attach(rank, s, self._best_parent(s, exclude={rank}))
@@ -249,6 +254,8 @@ class Forest:
         del self.group[rank], self.slots[rank]
         self.lent.pop(rank, None)
         self.spare.pop(rank, None)
+        self.index.update(self, rank)
+        self.index.forget(rank)
         return _unique(moves + self._balance_groups() + self._settle())
 
     def demote(self, rank: int) -> list[tuple[int, int]]:
@@ -257,6 +264,7 @@ class Forest:
         if g is None or rank not in self.group:
             return []
         self.group[rank], self.slots[rank] = None, 0
+        self.index.update(self, rank)
         moves = [self._move(c, g) for c in sorted(self.kids[g][rank])]
         moves += [m for r in sorted(self.lent) for m in self._unlend(r)]  # lent for the old shape:
         return _unique(moves + self._balance_groups() + self._settle())  # lent again where now needed
@@ -266,7 +274,7 @@ class Forest:
         departure): the forwarder with the fewest children in the largest group changes stripe."""
         moves = []
         while True:
-            count = [sum(1 for r, g in self.group.items() if g == s) for s in range(self.k)]
+            count = self.index.members
             big, small = max(range(self.k), key=count.__getitem__), min(range(self.k), key=count.__getitem__)
             if count[big] - count[small] < 2:
                 return moves
@@ -274,6 +282,7 @@ class Forest:
                     key=lambda r: (self.load(r, big), -self.depth[big][r], -r))
             moves.extend(self._unlend(r))
             self.group[r] = small
+            self.index.update(self, r)
             moves.extend(self._move(c, big) for c in sorted(self.kids[big][r]))
             if self.parent[small].get(r) in self.spare:  # a forwarder now: not under a slow uplink
                 moves.append(self._move(r, small))
@@ -291,16 +300,21 @@ class Forest:
         """``rank`` pulls stripe ``s`` from ``parent``; None: from no planned source (every slot is
         taken: its partners share the stripe until a slot frees up)."""
         self.parent[s][rank] = parent
+        self.index.attach(self, rank, s)
         if parent is None:
             self._set_depth(rank, s, UNPLACED)
             return
         self.kids[s][parent].add(rank)
+        self.index.update(self, parent)
         self._set_depth(rank, s, self.depth[s][parent] + 1)
 
     def _detach(self, rank: int, s: int) -> None:
         parent = self.parent[s].pop(rank)
         if parent is not None:
             self.kids[s][parent].discard(rank)
+            self.index.detach(self, rank, s, parent)
+            self.index.update(self, parent)
+        self.index.update(self, rank)
 
     def _move(self, rank: int, s: int, to: int | None = None) -> tuple[int, int]:
         """Re-attach ``rank`` (with its subtree) in stripe ``s``: under ``to``, else the best parent."""
@@ -314,6 +328,7 @@ class Forest:
         while todo:
             r, d = todo.pop()
             self.depth[s][r] = d
+            self.index.update(self, r)
             todo.extend((c, d + 1) for c in self.kids[s].get(r, ()))
 
     def _subtree(self, rank: int, s: int) -> set[int]:
@@ -327,9 +342,8 @@ class Forest:
     def _best_parent(self, s: int, exclude: set) -> int | None:
         """The shallowest placed parent with a free slot in stripe ``s``; None when every slot is
         taken (nobody is overloaded: the uplinks are balanced, partners carry the rest)."""
-        depth, group, lent = self.depth[s], self.group, self.lent  # slots in ``s``: the seeder, its group, lenders
-        cands = [r for r, under in self.kids[s].items() if (group.get(r) == s or lent.get(r) == s or not r)
-                 and depth.get(r, UNPLACED) < UNPLACED and r not in exclude and len(under) < self.capacity(r, s)]
+        depth = self.depth[s]
+        cands = [r for r in self.index.free(self, s) if depth.get(r, UNPLACED) < UNPLACED and r not in exclude]
         return min(cands, key=lambda r: (depth[r], r), default=None)
 
     def _settle(self) -> list[tuple[int, int]]:
@@ -341,7 +355,7 @@ class Forest:
         for s in range(self.k):
             for _ in range(4 * len(self.kids[s])):  # each step strictly improves; bound it anyway
                 step = self._swap_up(s) or self._unload(s) or self._place_unplaced(s) or self._lend(s) \
-                    or self._lend_spare(s)
+                    or _lend_spare(self, s)
                 if not step:
                     break
                 moves.extend(step)
@@ -351,22 +365,32 @@ class Forest:
         """A forwarder deeper than a leaf of stripe ``s`` trades places with it; one with no planned
         source there takes the slot of a demoted host serving a spare leaf (placed again): else a
         slow first joiner, demoted before the fleet came, kept the seeder's slot in ``s``."""
-        kids, parent, group, lent = self.kids[s], self.parent[s], self.group, self.lent
-        inner = [r for r in kids if r and (group.get(r) == s or lent.get(r) == s) and self.slots.get(r)]
-        leaves = [r for r, under in kids.items() if r and not under and group.get(r) != s and lent.get(r) != s
-                  and parent.get(r) not in self.spare]  # a demoted host's slot takes no forwarder
-        leaf = min(leaves, key=lambda r: (self.depth[s][r], -r), default=None)
-        deep = min((r for r in inner if leaf is not None and self.depth[s][r] > self.depth[s][leaf]),
-                   key=lambda r: (self.depth[s][r], r), default=None)
+        kids, parent, group, lent, index = self.kids[s], self.parent[s], self.group, self.lent, self.index
+
+        def inner(r):
+            return r in kids and (group.get(r) == s or lent.get(r) == s) and self.slots.get(r)
+
+        def leaf_(r):  # a demoted host's slot takes no forwarder
+            return r in kids and not kids[r] and group.get(r) != s and lent.get(r) != s and \
+                parent.get(r) not in self.spare
+        leaf = next((-r for _, r in index.leaves[s].after((-1, 0)) if leaf_(-r)), None)
+        deep = None if leaf is None else \
+            next((r for _, r in index.inner[s].after((self.depth[s][leaf], math.inf)) if inner(r)), None)
         moves = []
         if deep is None:
-            deep = min((r for r in inner if self.parent[s][r] is None), default=None)
-            below = self._subtree(deep, s) if deep is not None else set()  # never under it: no cycle
+            if s not in self.spare.values():
+                return []  # no demoted host's slot to take
+            deep = next((r for d, r in index.inner[s].after((UNPLACED - 1, math.inf)) if d == UNPLACED and inner(r)
+                         and self.parent[s][r] is None), None)  # the lowest rank: (UNPLACED, r) come first
+            if deep is None:
+                return []
+            below = self._subtree(deep, s)  # never under it: no cycle
             leaf = min((r for r, g in self.spare.items() if g == s and r not in below
                         and self.depth[s].get(r, UNPLACED) < UNPLACED), key=lambda r: (self.depth[s][r], r), default=None)
-            if leaf is None or deep is None:
+            if leaf is None:
                 return []
             del self.spare[leaf]
+            self.index.update(self, leaf)
             for c in sorted(self.kids[s][leaf]):
                 self._detach(c, s)
                 self._attach(c, s, None)
@@ -381,8 +405,11 @@ class Forest:
     def _place_unplaced(self, s: int) -> list[tuple[int, int]]:
         """A peer without a planned source in stripe ``s`` (or under a demoted host's spare slot)
         takes a forwarder's slot that freed up."""
-        for r in sorted((r for r, p in self.parent[s].items() if p is None or p in self.spare),
-                        key=lambda r: (self.parent[s][r] is not None, not self.interior_in(r, s), r)):
+        parent = self.parent[s]
+        if not any(self.depth[s].get(r, UNPLACED) < UNPLACED for r in self.index.free(self, s)):
+            return []  # no slot free anywhere: nobody can be placed
+        for r in sorted((r for r in self.index.unplaced[s] if r in parent and (parent[r] is None or parent[r] in
+                         self.spare)), key=lambda r: (parent[r] is not None, not self.interior_in(r, s), r)):
             dst = self._best_parent(s, exclude=self._subtree(r, s))
             if dst is not None:
                 return [self._move(r, s, to=dst)]
@@ -391,13 +418,15 @@ class Forest:
     def _lend(self, s: int) -> list[tuple[int, int]]:
         """A peer in stripe ``s`` has no slot and none is free there: a forwarder of another stripe
         with a slot free lends it to ``s`` (the shallowest in ``s``, outside that peer's subtree)."""
-        unplaced = [r for r, p in self.parent[s].items() if p is None]
-        if not unplaced:
+        first = self.index.first_unplaced(self, s)
+        if first is None:
             return []
-        mine = self._subtree(unplaced[0], s)
-        room = [sum(self.capacity(r, g) for r in self.kids[g]) - len(self.parent[g]) for g in range(self.k)]
-        cands = [r for r, g in self.group.items()
-                 if g is not None and g != s and room[g] > 0  # its own stripe keeps a slot per receiver
+        room = [self.index.slots[g] - len(self.parent[g]) for g in range(self.k)]
+        free = [r for g in range(self.k) if g != s and room[g] > 0 for r in self.index.free(self, g) if r]
+        if not free:  # nobody has a slot to lend
+            return []
+        mine = self._subtree(first, s)
+        cands = [r for r in free if (g := self.group.get(r)) is not None and g != s and room[g] > 0
                  and r not in self.lent and r not in mine and self.slots[r] >= 2
                  and self.load(r, g) < self.capacity(r, g) and self.depth[s].get(r, UNPLACED) < UNPLACED
                  and self.parent[s].get(r) not in self.spare]
@@ -405,53 +434,21 @@ class Forest:
             return []
         r = min(cands, key=lambda r: (self.depth[s][r], r))
         self.lent[r] = s
+        self.index.update(self, r)
         return [(r, s)]
-
-    def _lend_spare(self, s: int) -> list[tuple[int, int]]:
-        """A leaf of stripe ``s`` without a planned source goes under a demoted host with no child
-        (the shallowest in ``s``): its uplink is slow, but better than none in the plan.  Where that
-        leaf is the only such host, it trades places with a demoted host that holds a forwarder's
-        slot in ``s`` and serves it there: two slow hosts feed each other, neither is left out."""
-        def demoted(r):
-            return r != 0 and self.group.get(r) is None and self.slots.get(r) == 0
-
-        def idle(r):
-            return demoted(r) and not any(self.kids[x].get(r) for x in range(self.k))
-
-        def fed_by_forwarder(r):
-            return self.parent[s].get(r) is not None and self.parent[s][r] not in self.spare
-
-        leaves = [r for r, p in self.parent[s].items()
-                  if p is None and not self.interior_in(r, s) and not self.kids[s][r]]
-        if not leaves:
-            return []
-        leaf = min(leaves, key=lambda r: (idle(r), r))  # keep idle demoted hosts free to serve
-        servers = [r for r in self.kids[s] if r != leaf and idle(r) and fed_by_forwarder(r)]
-        if servers:
-            d = min(servers, key=lambda r: (self.depth[s][r], r))
-            self.spare[d] = s
-            return [self._move(leaf, s, to=d)]
-        trade = [r for r in self.kids[s] if r != leaf and demoted(r) and not self.kids[s][r] and fed_by_forwarder(r)]
-        if not idle(leaf) or not trade:
-            return []
-        d = min(trade)
-        up = self.parent[s][d]
-        self._detach(d, s)
-        self._move(leaf, s, to=up)
-        self.spare[leaf] = s
-        return [(leaf, s), self._move(d, s, to=leaf)]
 
     def _unlend(self, rank: int) -> list[tuple[int, int]]:
         """``rank`` takes its lent slot back; the child it served there is placed again."""
         s = self.lent.pop(rank, None)
+        self.index.update(self, rank)
         return [] if s is None else [self._move(c, s) for c in sorted(self.kids[s][rank])]
 
     def _unload(self, s: int) -> list[tuple[int, int]]:
-        over = [r for r, under in self.kids[s].items() if under and len(under) > self.capacity(r, s)]
+        kids = self.kids[s]
+        over = [r for r in self.index.over[s] if kids.get(r) and len(kids[r]) > self.capacity(r, s)]
         if not over:  # the usual case: no sort of the free slots
             return []
-        free = sorted((r for r in self.kids[s] if r not in self.spare and self.load(r, s) < self.capacity(r, s)),
-                      key=lambda r: (self.depth[s][r], r))
+        free = sorted((r for r in self.index.free(self, s) if r not in self.spare), key=lambda r: (self.depth[s][r], r))
         for src in sorted(over, key=lambda r: (r != 0, r)):
             for child in sorted(self.kids[s][src], key=lambda c: (bool(self.kids[s][c]), -c)):
                 subtree = self._subtree(child, s)
@@ -463,6 +460,46 @@ class Forest:
                     self._attach(child, s, None)
                     return [(child, s)]
         return []
+
+
+def _lend_spare(f: Forest, s: int) -> list[tuple[int, int]]:
+    """``Forest._settle``'s last step: a leaf of stripe ``s`` without a planned source goes under a
+    demoted host with no child (the shallowest in ``s``): its uplink is slow, but better than none
+    in the plan.  Where that leaf is the only such host, it trades places with a demoted host that
+    holds a forwarder's slot in ``s`` and serves it there: two slow hosts feed each other."""
+    def demoted(r):
+        return r != 0 and f.group.get(r) is None and f.slots.get(r) == 0
+
+    def idle(r):
+        return demoted(r) and not any(f.kids[x].get(r) for x in range(f.k))
+
+    def fed_by_forwarder(r):
+        return f.parent[s].get(r) is not None and f.parent[s][r] not in f.spare
+
+    leaves = [r for r in f.index.unplaced[s] if f.parent[s].get(r, 0) is None
+              and not f.interior_in(r, s) and not f.kids[s][r]]
+    if not leaves:
+        return []
+    leaf = min(leaves, key=lambda r: (idle(r), r))  # keep idle demoted hosts free to serve
+    servers = [r for r in f.index.idle if r in f.kids[s] and r != leaf and idle(r) and fed_by_forwarder(r)]
+    if servers:
+        d = min(servers, key=lambda r: (f.depth[s][r], r))
+        f.spare[d] = s
+        f.index.update(f, d)
+        return [f._move(leaf, s, to=d)]
+    if not idle(leaf):
+        return []
+    trade = [r for r in f.index.demoted if r in f.kids[s] and r != leaf and demoted(r) and not f.kids[s][r]
+             and fed_by_forwarder(r)]
+    if not trade:
+        return []
+    d = min(trade)
+    up = f.parent[s][d]
+    f._detach(d, s)
+    f._move(leaf, s, to=up)
+    f.spare[leaf] = s
+    f.index.update(f, leaf)
+    return [(leaf, s), f._move(d, s, to=leaf)]
 
 
 def settled_forest(k: int, n: int, slots=None) -> list[list[int]]:
@@ -494,9 +531,6 @@ def settled_forest(k: int, n: int, slots=None) -> list[list[int]]:
             if group.get(r) == s:
                 free.append((r, slots[r]))
     return table
-
-
-UNPLACED = 1 << 20  # the depth of a peer without a planned source in a stripe
 
 
 def _unique(moves: list) -> list:

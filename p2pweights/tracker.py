@@ -88,6 +88,83 @@ def median_without(ordered: list[float], x: float) -> float:
     return (ordered[lo + (lo >= j)] + ordered[hi + (hi >= j)]) / 2
 
 
+def _sample(rng: random.Random, ranks: list[int], k: int, skip: set, full) -> list[int]:
+    """Up to ``k`` distinct ranks of ``ranks`` (sorted) not in ``skip``, at random, those not
+    ``full`` first (else the first joiners of a large fleet gathered dozens of partners: about
+    4 ln(N / rank)).  O(k) draws for a large fleet: a copy of every live rank per join made
+    10,000 joins slow."""
+    if len(ranks) <= 4 * (k + len(skip)):
+        pool = [r for r in ranks if r not in skip]
+        room = [r for r in pool if not full(r)]
+        return rng.sample(room, min(k, len(room))) if len(room) >= k else rng.sample(pool, min(k, len(pool)))
+    out: list[int] = []
+    for tries in range(1000 * k):
+        r = ranks[rng.randrange(len(ranks))]
+        if r not in skip and r not in out and (tries >= 100 * k or not full(r)):
+            out.append(r)
+            if len(out) == k:
+                break
+    return out
+
+
+class Roster:
+    """Who is live (ranks sorted), and whom each peer partners with: links go both ways."""
+
+    def __init__(self, members: dict[int, Member], rng: random.Random):
+        self.members = members
+        self.rng = rng
+        self.live: list[int] = []
+        self.lonely: set[int] = set()  # live ranks with fewer than PARTNERS partners
+        self.top = 0  # the highest rank that arrived
+
+    def arrive(self, m: Member) -> None:
+        m.left = False
+        self.top = max(self.top, m.rank)
+        i = bisect.bisect_left(self.live, m.rank)
+        if i == len(self.live) or self.live[i] != m.rank:
+            self.live.insert(i, m.rank)
+        if len(m.partners) < PARTNERS:
+            self.lonely.add(m.rank)
+
+    def depart(self, m: Member, unlink: bool = False) -> None:
+        """``m`` left; ``unlink``: for good (gone), so its partners forget it."""
+        m.left = True
+        i = bisect.bisect_left(self.live, m.rank)
+        if i < len(self.live) and self.live[i] == m.rank:
+            del self.live[i]
+        self.lonely.discard(m.rank)
+        for p in m.partners if unlink else ():
+            x = self.members.get(p)
+            if x is not None and m.rank in x.partners:
+                x.partners.remove(m.rank)
+                if not x.left and len(x.partners) < PARTNERS:
+                    self.lonely.add(p)
+
+    def partner(self, m: Member) -> list[int]:
+        """Give newcomer ``m`` up to PARTNERS partners among the live peers, and it to them;
+        returns the others whose partners changed (each must be told)."""
+        skip, told = {m.rank, *m.parents}, []
+        for r in _sample(self.rng, self.live, PARTNERS, skip, lambda r: len(self.members[r].partners) >= MAX_PARTNERS):
+            told += self._link(m.rank, r)
+        for r in sorted(self.lonely - skip):  # early peers had nobody to partner with: fill them up too
+            if len(m.partners) >= MAX_PARTNERS:
+                break
+            if len(self.members[r].partners) < PARTNERS:
+                told += self._link(m.rank, r)
+        return told
+
+    def _link(self, a: int, b: int) -> list[int]:
+        told = []
+        for x, y in ((a, b), (b, a)):
+            if y not in self.members[x].partners:
+                self.members[x].partners.append(y)
+                if len(self.members[x].partners) >= PARTNERS:
+                    self.lonely.discard(x)
+                if x != a:
+                    told.append(x)
+        return told
+
+
 class Pullers:
     """Who pulls from whom; every change of a member's parents goes through here.
 
@@ -147,12 +224,13 @@ class Tracker:
         self.moved: list[int] = []  # ranks whose plan changed as a side effect, not yet announced
         self.pullers = Pullers()  # who pulls from whom, and whom a peer stopped pulling from
         self.rng = random.Random(0x9E3779B9)
+        self.roster = Roster(self.members, self.rng)  # who is live, and whom each partners with
         self.probes: list[float] = []  # every probe rate in, sorted (their median judges each)
         self.unsettled: set[int] = set()  # probed before PROBE_QUORUM probes were in: judged again
         self.judged: dict[int, float] = {}  # the uplinks the last review judged (rank -> bytes/s)
 
     def alive(self) -> set[int]:
-        return {r for r, m in self.members.items() if not m.left}
+        return set(self.roster.live)
 
     def listen_of(self, rank: int) -> str:
         return self.root_listen if rank == ROOT else self.members[rank].listen
@@ -163,43 +241,27 @@ class Tracker:
         known = self.by_peer_id.get(peer_id)
         if known is not None:
             m = self.members[known]
-            was_left, m.listen, m.left = m.left, listen, False
+            was_left, m.listen = m.left, listen
+            self.roster.arrive(m)
             moves = self.topology.place(known) if self.placed and was_left else []
             self.pullers.assign(m, self._place(known))
             self._note(moves)
             m.seen = self.clock()
             return m
-        if len(self.alive()) >= self.max_peers:
+        if len(self.roster.live) >= self.max_peers:
             raise TrackerError(f"tracker is full ({self.max_peers} peers)")
         if rank is None or rank < 1 or rank in self.members:
-            rank = max(self.members, default=0) + 1
+            rank = self.roster.top + 1
         m = Member(rank, peer_id, listen, [], joined=self.clock(), seen=self.clock())
         self.members[rank] = m
+        self.roster.arrive(m)
         self.by_peer_id[peer_id] = rank
         moves = self.topology.place(rank) if self.placed else []
         self.pullers.assign(m, self._place(rank))
         self._note(moves)
         if self.placed:  # the swarm; a rule-based plan stays a pure tree, to compare against
-            self._partner(m)
+            self.moved.extend(self.roster.partner(m))
         return m
-
-    def _partner(self, m: Member) -> None:
-        """Give newcomer ``m`` up to PARTNERS partners among the live peers, and it to them."""
-        others = [r for r in sorted(self.alive()) if r != m.rank and r not in m.parents]
-        for r in self.rng.sample(others, min(PARTNERS, len(others))):
-            self._link(m.rank, r)
-        for r in others:  # early peers had nobody to partner with: fill them up too
-            if len(m.partners) >= MAX_PARTNERS:
-                break
-            if len(self.members[r].partners) < PARTNERS:
-                self._link(m.rank, r)
-
-    def _link(self, a: int, b: int) -> None:
-        for x, y in ((a, b), (b, a)):
-            if y not in self.members[x].partners:
-                self.members[x].partners.append(y)
-                if x != a:
-                    self.moved.append(x)
 
     def _note(self, moves) -> None:
         """Apply a plan's moves to the members' parent lists; remember whom to tell."""
@@ -278,7 +340,7 @@ class Tracker:
         """Let ``rank`` leave if nobody depends on it; returns who it must still wait for."""
         waiting = self.dependents(rank)
         if not waiting and not self._member(rank).left:
-            self._member(rank).left = True
+            self.roster.depart(self._member(rank))
             if self.placed:
                 self._note(self.topology.remove(rank))
         return waiting
@@ -288,11 +350,10 @@ class Tracker:
 
         Re-attaches its direct dependents to their nearest live ancestor (their own
         subtrees stay under them) and returns them as (rank, stripe) pairs to notify."""
-        was_left, self._member(rank).left = self._member(rank).left, True
-        self.pullers.stop(self._member(rank))
-        for m in self.members.values():
-            if rank in m.partners:
-                m.partners.remove(rank)
+        gone = self._member(rank)
+        was_left = gone.left
+        self.roster.depart(gone, unlink=True)
+        self.pullers.stop(gone)
         if self.placed:
             moves = [] if was_left else self.topology.remove(rank)
             self._note(moves)
