@@ -2,8 +2,8 @@
 
 ``Forest`` asks, on every join, where the shallowest free slot is, which leaf
 sits shallower than some forwarder, who is over its slots and who has no
-planned source.  Scanning every peer for each made 1,000 joins cost the
-seeder 0.7 s of CPU and 10,000 about 70 s.  ``SlotIndex`` keeps, per stripe,
+planned source.  Scanning every peer for each made 10,000 joins cost the
+seeder's loop 105 s of CPU (3 s now, ``bench/placement.py``).  ``SlotIndex`` keeps, per stripe,
 the candidates for each question, brought up to date for one rank at a time
 (``update``, called by the forest wherever a rank's children, depth, group,
 lent or spare slot changes).  A candidate set may hold a rank that no longer

@@ -421,7 +421,7 @@ class Forest:
         first = self.index.first_unplaced(self, s)
         if first is None:
             return []
-        room = [self.index.slots[g] - len(self.parent[g]) for g in range(self.k)]
+        room = [self.index.slots[g] - len(self.parent[g]) for g in range(self.k)]  # a slot per receiver stays
         free = [r for g in range(self.k) if g != s and room[g] > 0 for r in self.index.free(self, g) if r]
         if not free:  # nobody has a slot to lend
             return []
