@@ -35,9 +35,10 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
    soonest (its requests there over its rate: an idle fast partner before a
    busy or slow one; ties at random, so requesters spread), rarest first
    among the lowest candidates, at most ``HELP_WINDOW`` per helping link and
-   per planned source in all (twice for a demoted source: its stripe needs
-   about half its chunks from partners), so help never crowds out a
-   partner's own children;
+   per planned source in all, so help never crowds out a partner's own
+   children; where a planned source is demoted (its quarter-rate spare slot
+   gives its stripe at half the others' pace), ``HELP_WINDOW`` from each
+   of the cheapest partners;
 4. endgame: once nothing is left to ask, each missing chunk may be asked of a
    second holder; the first copy to arrive cancels the other request.
 
@@ -514,6 +515,10 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: int, typical: float,
     cheapest = _cheapest(sched, ready, lagging & sched._avail, typical)  # what is still to ask
     cands = [lk for lk in sched.rng.sample(ready, len(ready))  # random: ``min`` below keeps the first of equals
              if lk.rank != SEEDER and _cost(sched, lk, typical) <= cheapest]
+    if planned & sched.slow:  # a demoted source's stripe comes mostly from partners: each cheap one helps (the
+        #                       peer so fed finished last, two helpers at two requests while finished hosts idled)
+        budget = max(budget, HELP_WINDOW * len(cands) - sum(1 for lk in cands for i in lk.outstanding
+                                                            if i in lk.helping))
     while budget > 0 and cands:
         lk = min(cands, key=lambda x: _eta(x, typical))  # all as cheap: the soonest to deliver
         helping = sum(1 for i in lk.outstanding if i in lk.helping)
