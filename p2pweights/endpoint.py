@@ -24,9 +24,6 @@ from .tracker import PROBE_BYTES, PROBE_MIN_TIME, TrackerError
 log = logging.getLogger("p2pw")
 
 REVIEW_INTERVAL = 0.5  # seconds between reviews of the reported rates (one heartbeat)
-REVIEW_MIN = 0.05  # a heartbeat is reviewed this soon after it arrives (a slow stripe root starves its tree
-#                    meanwhile), unless reviews would take over REVIEW_SHARE of the loop (a large fleet)
-REVIEW_SHARE = 0.05
 SNAPSHOT_INTERVAL = 0.5  # seconds between fleet snapshots (sooner, at most every SNAPSHOT_MIN, on a change)
 SNAPSHOT_MIN = 0.1
 SNAPSHOT_SHARE = 0.05  # and never more often than keeps the loop's time spent on them under this share
@@ -43,7 +40,6 @@ class TrackerEndpoint:
         self.members: dict[bytes, int] = {}  # ident -> rank
         self.out: list[tuple[bytes, list]] = []
         self.next_review = 0.0
-        self.reported, self.review_at, self.review_cost = False, 0.0, 0.0  # a heartbeat since the last review
         self.fleet: fleet.Fleet = fleet.snapshot(tracker, manifest)  # read by other threads: replaced, never changed
         self.fleet_frame: bytes | None = None  # the STATUS_REPLY payload of ``fleet``, encoded on first ask
         self.changed, self.snapshot_at, self.snapshot_cost = False, clock(), 0.0
@@ -174,7 +170,6 @@ class TrackerEndpoint:
         rates, got = _rate_map(f, "links"), _rate_map(f, "got")
         have = f.get("have") if isinstance(f.get("have"), int) else None
         self.tracker.touch(rank, have=have, rates=rates, delivered=got)
-        self.reported = True
 
     def status(self, ident: bytes, f: dict) -> None:
         """Anyone (no join needed) asks for the fleet: at most fleet.MAX_LISTED peers of a snapshot taken
@@ -203,21 +198,17 @@ class TrackerEndpoint:
         return self.fleet
 
     def review(self) -> None:
-        """Demote hosts whose uplink delivers well below the fleet's: every REVIEW_INTERVAL, and
-        REVIEW_MIN after a heartbeat came in (at most REVIEW_SHARE of the loop's time)."""
+        """Every REVIEW_INTERVAL: demote hosts whose uplink delivers well below the fleet's."""
         now = self.clock()
-        soon = self.reported and now >= self.review_at + max(REVIEW_MIN, self.review_cost / REVIEW_SHARE)
-        if now < self.next_review and not soon:
+        if now < self.next_review:
             return
-        t0 = time.perf_counter()
-        self.next_review, self.review_at, self.reported = now + REVIEW_INTERVAL, now, False
+        self.next_review = now + REVIEW_INTERVAL
         demoted = self.tracker.slow_hosts()
         up = self.tracker.judged  # what they were judged on (before their moves), for the log
         for rank in demoted:
             log.warning("peer rank %d delivers %.1f MB/s, well below the fleet's %.1f (median): it becomes a leaf",
                         rank, up.get(rank, 0.0) / 1e6, statistics.median(v for r, v in up.items() if r != rank) / 1e6)
         self._announce()
-        self.review_cost = time.perf_counter() - t0
 
     # ----- internals ---------------------------------------------------------
 
