@@ -8,8 +8,9 @@ peer in the forest (``Tracker.join``), move the peers it adopts, build its
 WELCOME's parent and partner lists (each with ``downstream``), and tell
 the peers whose plan changed (``take_moved`` and their lists).  ``--slow F``
 gives each joiner with probability F a probe at a fifth of the others' rate
-(a slow host, demoted at its probe unless it already feeds a peer), which leaves peers without a planned slot for the forest to
-lend or share.  Prints the CPU seconds of the N joins and per 1,000.
+(a slow host, demoted at its probe unless it already feeds a peer), which
+leaves peers without a planned slot for the forest to lend or share.
+Prints the CPU seconds of the N joins and per 1,000.
 
 ``--against REV`` runs the same joins, in the same invocation, with the
 package as it was at git revision REV (``git archive``) and prints the

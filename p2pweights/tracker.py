@@ -96,7 +96,9 @@ def _sample(rng: random.Random, ranks: list[int], k: int, skip: set, full) -> li
     if len(ranks) <= 4 * (k + len(skip)):
         pool = [r for r in ranks if r not in skip]
         room = [r for r in pool if not full(r)]
-        return rng.sample(room, min(k, len(room))) if len(room) >= k else rng.sample(pool, min(k, len(pool)))
+        picked = rng.sample(room, min(k, len(room)))
+        rest = [r for r in pool if full(r)]
+        return picked + rng.sample(rest, min(k - len(picked), len(rest)))
     out: list[int] = []
     for tries in range(1000 * k):
         r = ranks[rng.randrange(len(ranks))]
@@ -144,7 +146,8 @@ class Roster:
         """Give newcomer ``m`` up to PARTNERS partners among the live peers, and it to them;
         returns the others whose partners changed (each must be told)."""
         skip, told = {m.rank, *m.parents}, []
-        for r in _sample(self.rng, self.live, PARTNERS, skip, lambda r: len(self.members[r].partners) >= MAX_PARTNERS):
+        full = lambda r: len(self.members[r].partners) >= MAX_PARTNERS  # noqa: E731
+        for r in _sample(self.rng, self.live, PARTNERS, skip, full):
             told += self._link(m.rank, r)
         for r in sorted(self.lonely - skip):  # early peers had nobody to partner with: fill them up too
             if len(m.partners) >= MAX_PARTNERS:
