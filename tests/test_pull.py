@@ -363,3 +363,25 @@ def test_a_have_of_chunks_held_or_asked_already_decides_nothing_again_one_offeri
     s.requests()
     s.has(2, [i for i in range(8) if i not in first and i != other])  # it completes: decide again
     assert s.dirty
+
+
+def test_a_parked_chunk_read_with_its_have_after_a_pause_does_not_inflate_the_link_s_rate():
+    # a link delivering 10 MB/s (1 MiB every ~0.1 s); a chunk parked there is named in a HAVE and
+    # arrives with it after a pause of this process (a fraction of a millisecond later): no sample
+    # (alone it read 2,000 MB/s); a parked chunk that takes a chunk-time after its HAVE is measured
+    s, clock = sched(n=16, links={1: "1111" + "." * 12}, window=8)
+    asked(s)
+    for i in range(4):
+        clock.t += CHUNK / 10e6
+        s.arrived(1, i, ok=True)
+    steady = s.links[1].rate
+    assert 8e6 < steady < 12e6 and 4 in s.links[1].outstanding  # 4, 5 parked ahead of what it holds
+    clock.t += 0.5
+    s.has(1, [4])
+    clock.t += 0.0005
+    s.arrived(1, 4, ok=True)
+    assert s.links[1].rate == steady
+    s.has(1, [5])
+    clock.t += CHUNK / 20e6
+    s.arrived(1, 5, ok=True)
+    assert steady < s.links[1].rate < 20e6
