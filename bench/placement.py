@@ -21,6 +21,7 @@ waits.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -58,7 +59,7 @@ def run_at(rev: str, n: int, slow: float) -> float:
     with tempfile.TemporaryDirectory(prefix="p2pw-placement-") as tmp:
         tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "p2pweights"], check=True,
                              capture_output=True).stdout
-        with tarfile.open(fileobj=__import__("io").BytesIO(tar)) as tf:
+        with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
             tf.extractall(tmp, filter="data")
         out = subprocess.run([sys.executable, __file__, "--child", f"{n}:{slow}"], check=True, capture_output=True,
                              text=True, env={**os.environ, "PYTHONPATH": tmp}, cwd=tmp).stdout

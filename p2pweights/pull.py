@@ -109,10 +109,9 @@ class Link:
 
     def unpark(self, index: int) -> bool:
         """Whether ``index`` was parked here until its HAVE (forgetting it)."""
-        if index in self.unparked:
-            self.unparked.discard(index)
-            return True
-        return False
+        was = index in self.unparked
+        self.unparked.discard(index)
+        return was
 
     def measure(self, size: int, took: float, timed_by_have: bool) -> None:
         """A chunk of ``size`` bytes was served in ``took`` seconds: a rate sample, unless it was timed
@@ -528,24 +527,23 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: int, typical: float,
     help goes to the one that would deliver it soonest (``_eta``), ties in random order so
     requesters spread; rarest first among the lowest lagging chunks it holds, at most
     ``HELP_WINDOW`` per link and the budget in all."""
+    helping = {r: sum(1 for i in lk.outstanding if i in lk.helping) for r, lk in sched.links.items()}  # in flight
     planned = set(sched.plan)
-    budget = HELP_WINDOW * (max(1, len(planned)) + len(planned & sched.slow)) - sum(
-        1 for lk in sched.links.values() for i in lk.outstanding if i in lk.helping)
+    budget = HELP_WINDOW * (max(1, len(planned)) + len(planned & sched.slow)) - sum(helping.values())
     cheapest = _cheapest(sched, ready, lagging & sched._avail, typical)  # what is still to ask
     cands = [lk for lk in sched.rng.sample(ready, len(ready))  # random: ``min`` below keeps the first of equals
              if lk.rank != SEEDER and _cost(sched, lk, typical) <= cheapest]
     if planned & sched.slow:  # a demoted source's stripe comes mostly from partners: each cheap one helps (the
         #                       peer so fed finished last, two helpers at two requests while finished hosts idled)
-        budget = max(budget, HELP_WINDOW * len(cands) - sum(1 for lk in cands for i in lk.outstanding
-                                                            if i in lk.helping))
+        budget = max(budget, HELP_WINDOW * len(cands) - sum(helping[lk.rank] for lk in cands))
     while budget > 0 and cands:
         lk = min(cands, key=lambda x: _eta(x, typical))  # all as cheap: the soonest to deliver
-        helping = sum(1 for i in lk.outstanding if i in lk.helping)
-        chunks = sched._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping, 1), rarest=True)
+        chunks = sched._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping[lk.rank], 1), rarest=True)
         if not chunks:
             cands.remove(lk)
             continue
         lk.helping.add(chunks[0])
+        helping[lk.rank] += 1
         budget -= 1
         sched._ask(lk, chunks, out)
 

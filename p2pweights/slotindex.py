@@ -133,10 +133,13 @@ class SlotIndex:
         return [r for r in self.open[s] if r in kids and (group.get(r) == s or lent.get(r) == s or not r)
                 and len(kids[r]) < f.capacity(r, s)]
 
+    def unparented(self, f, s: int) -> list[int]:
+        """The peers without a parent in stripe ``s``."""
+        return [r for r in self.unplaced[s] if f.parent[s].get(r, MISSING) is None]
+
     def first_unplaced(self, f, s: int):
         """The peer without a parent in ``s`` attached longest ago (None if none)."""
-        cands = [r for r in self.unplaced[s] if f.parent[s].get(r, MISSING) is None]
-        return min(cands, key=lambda r: self.attached[s].get(r, 0), default=None)
+        return min(self.unparented(f, s), key=lambda r: self.attached[s].get(r, 0), default=None)
 
 
 def _keep(index: Ranked, rank: int, key: tuple, present: bool) -> None:

@@ -406,7 +406,7 @@ class Forest:
         """A peer without a planned source in stripe ``s`` (or under a demoted host's spare slot)
         takes a forwarder's slot that freed up."""
         parent = self.parent[s]
-        if not any(self.depth[s].get(r, UNPLACED) < UNPLACED for r in self.index.free(self, s)):
+        if self._best_parent(s, exclude=set()) is None:
             return []  # no slot free anywhere: nobody can be placed
         for r in sorted((r for r in self.index.unplaced[s] if r in parent and (parent[r] is None or parent[r] in
                          self.spare)), key=lambda r: (parent[r] is not None, not self.interior_in(r, s), r)):
@@ -427,8 +427,8 @@ class Forest:
             return []
         mine = self._subtree(first, s)
         cands = [r for r in free if (g := self.group.get(r)) is not None and g != s and room[g] > 0
-                 and r not in self.lent and r not in mine and self.slots[r] >= 2
-                 and self.load(r, g) < self.capacity(r, g) and self.depth[s].get(r, UNPLACED) < UNPLACED
+                 and r not in self.lent and r not in mine and self.slots[r] >= 2  # ``free``: a slot in g
+                 and self.depth[s].get(r, UNPLACED) < UNPLACED
                  and self.parent[s].get(r) not in self.spare]
         if not cands:
             return []
@@ -476,8 +476,7 @@ def _lend_spare(f: Forest, s: int) -> list[tuple[int, int]]:
     def fed_by_forwarder(r):
         return f.parent[s].get(r) is not None and f.parent[s][r] not in f.spare
 
-    leaves = [r for r in f.index.unplaced[s] if f.parent[s].get(r, 0) is None
-              and not f.interior_in(r, s) and not f.kids[s][r]]
+    leaves = [r for r in f.index.unparented(f, s) if not f.interior_in(r, s) and not f.kids[s][r]]
     if not leaves:
         return []
     leaf = min(leaves, key=lambda r: (idle(r), r))  # keep idle demoted hosts free to serve
