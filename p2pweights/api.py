@@ -13,14 +13,12 @@ import os
 import shutil
 import socket
 import time
-import uuid
 
 import zmq
 
 from . import catalog, hfcache, keys, protocol
 from .errors import P2PError
 from .cache import STATE_DIR, DiskCache, copy_paths, marker_matches
-from .chunker import build
 from .modelcache import CacheTooSmall, ModelCache, describe_failure
 from .manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
 from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
@@ -28,8 +26,6 @@ from .protocol import Msg, ProtocolError
 from .store import SourceStore, SpaceError, Store, StoreClosed, blob_backing
 from .formats import checkpoint_files, scan as scan_checkpoint
 from .source import BlobSource, sending_read_bytes
-from .topology import make as make_topology
-from .tracker import Tracker
 
 log = logging.getLogger("p2pw")
 
@@ -80,6 +76,9 @@ class Seeder:
                  advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
                  max_peers: int = 10_000, manifest: str | None = None, exclude=(),
                  s3_concurrency: int = 16, s3_range_size: int = 8 << 20, cache: ModelCache | None = None):
+        from .chunker import build  # the seeder's parts: a join never imports them (start-up is on the clock)
+        from .topology import make as make_topology
+        from .tracker import Tracker
         self.path = os.fspath(path)
         origin = etags = None
         if not os.path.exists(self.path) and hfcache.parse_repo_ref(self.path):  # ORG/NAME[@REVISION]
@@ -578,7 +577,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         ctx.term()
         raise P2PError(f"cannot listen on {host}:{port}: {e}") from None
     me = advertise or local_ip_towards(p_host)
-    peer_id = peer_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    peer_id = peer_id or f"{socket.gethostname()}-{os.urandom(4).hex()}"
     hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id}
     try:
         link, tracker_addr, welcome, manifest = _handshake_remembered(ctx, parent, hello, model_id,

@@ -18,7 +18,6 @@ import logging
 import sys
 import threading
 import time
-from datetime import datetime, timezone
 
 from .errors import UserError
 
@@ -345,6 +344,7 @@ class JsonFormatter(logging.Formatter):
         self.context = context
 
     def format(self, record: logging.LogRecord) -> str:
+        from datetime import datetime, timezone  # only for --log-format json
         doc = {"ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds")
                .replace("+00:00", "Z"),
                "level": record.levelname.lower(), "event": getattr(record, "event", "log"),
