@@ -203,7 +203,7 @@ class TrackerEndpoint:
         if now < self.next_review:
             return
         self.next_review = now + REVIEW_INTERVAL
-        demoted = self.tracker.slow_hosts()
+        demoted = self.tracker.slow_hosts(self.manifest.n_chunks)
         up = self.tracker.judged  # what they were judged on (before their moves), for the log
         for rank in demoted:
             log.warning("peer rank %d delivers %.1f MB/s, well below the fleet's %.1f (median): it becomes a leaf",

@@ -27,6 +27,7 @@ ROOT = 0
 PARTNERS = 4  # partners a joiner is given besides its planned parents
 MAX_PARTNERS = 8  # partners one peer is given in all (newcomers also partner with earlier peers)
 SLOW_FRACTION = 0.33  # a host delivering below this share of the fleet's median uplink is demoted
+END_SHARE = 0.75  # a forwarder whose planned children all hold this share of the chunks is no longer judged
 SLOW_EVIDENCE = 1  # consecutive rate reviews (one per heartbeat, 0.5 s) that must find a host slow before it is demoted
 #                   (one: each judges both what its children get while asking and what all its partners got)
 PROBE_BYTES = 512 << 10  # a joiner sends the tracker this much twice (WELCOME asks); its arrival times the uplink
@@ -412,19 +413,29 @@ class Tracker:
         """Each live forwarder's upload rate as its partners see it (``uplinks``)."""
         return uplinks(m for m in self.members.values() if not m.left and not m.done)
 
-    def slow_hosts(self) -> list[int]:
+    def slow_hosts(self, n_chunks: int | None = None) -> list[int]:
         """Review the reported rates; demote hosts slow in SLOW_EVIDENCE reviews in a row.
 
         Returns the demoted ranks (their moves are in ``take_moved``).  Only
-        forwarders are judged, against the median of the others' delivered rates."""
+        forwarders are judged, against the median of the others' delivered rates,
+        and (given ``n_chunks``) only while one of their planned children misses
+        more than ``1 - END_SHARE`` of the chunks: near the end few requests are in
+        flight, each served alone on an uplink, so children's rates read up to their
+        count times it (a fleet median of 65 MB/s on 25 MB/s uplinks, 2 s before the
+        end at N = 16, demoted an honest host), and a demotion then only moves
+        children that are nearly done."""
         if not self.placed:
             return []
         up = self.judged = self.uplinks()
+        least = self._least_held_below() if n_chunks else {}
         ordered = sorted(up.values())  # once: each host's reference is their median without it
         demoted = []
         for r, rate in up.items():
             m = self.members.get(r)
             if m is None or m.left or m.demoted or len(up) < 3:
+                continue
+            if n_chunks and least.get(r, 0) >= END_SHARE * n_chunks:
+                m.slow_seen = 0
                 continue
             ref = median_without(ordered, rate)
             m.slow_seen = m.slow_seen + 1 if rate < SLOW_FRACTION * ref else 0
@@ -432,6 +443,15 @@ class Tracker:
                 self._demote(m)
                 demoted.append(r)
         return demoted
+
+    def _least_held_below(self) -> dict[int, int]:
+        """Forwarder rank -> the fewest chunks any of its live, unfinished planned children holds."""
+        least: dict[int, int] = {}
+        for m in self.members.values():
+            if not m.left and not m.done:
+                for r in set(m.parents):
+                    least[r] = min(least.get(r, m.have), m.have)
+        return least
 
     def probed(self, rank: int, rate: float, long: bool = True) -> list[int]:
         """``rank``'s probe arrived at ``rate`` bytes/s (``long``: it took ``PROBE_MIN_TIME`` or more):

@@ -312,3 +312,22 @@ def test_a_forwarder_s_reference_is_the_median_of_the_others():
         rest = list(values)
         rest.remove(x)
         assert median_without(sorted(values), x) == statistics.median(rest)
+
+
+def test_a_forwarder_whose_children_are_nearly_done_is_not_judged():
+    # near the end few requests are in flight, each served alone on an uplink, so children's rates
+    # read high and an honest forwarder falls below a third of the median; a demotion then only
+    # moves children that are nearly done. While one of its children misses a quarter, it is judged
+    from p2pweights.tracker import END_SHARE, SLOW_EVIDENCE
+
+    n = 512
+    t, slow = forest_with_reports(lambda p, m, x: 10e6 if p == x else 40e6, lambda p, m, x: 0.0)
+    children = [m for m in t.members.values() if slow in m.parents]
+    for m in t.members.values():
+        m.have = n
+    for _ in range(SLOW_EVIDENCE + 1):
+        assert t.slow_hosts(n) == []
+    children[0].have = int(END_SHARE * n) - 1  # one child still misses more than a quarter
+    for _ in range(SLOW_EVIDENCE):
+        demoted = t.slow_hosts(n)
+    assert demoted == [slow]
