@@ -61,7 +61,10 @@ DEFAULT_WINDOW = 2  # a link's credit window until its first chunk measures its 
 MIN_WINDOW = 2
 MAX_WINDOW = 32
 QUEUE_TIME = 0.25  # seconds of a link's measured rate that its window keeps asked for
-RATE_WEIGHT = 0.25  # weight of the newest sample in a link's rate average
+RATE_TIME = 0.25  # seconds: a link's rate is the bytes it delivered over the time it was asked, time that
+#                  long ago weighing 1/e (not an average of per-chunk rates: chunks read back to back after
+#                  a pause of this process, one sample spanning the pause and the rest a fraction of a
+#                  millisecond each, made such an average read several times the uplink)
 BUNCHED = 0.1  # a parked chunk verified within this share of a chunk-time (at the link's rate) of its
 #               HAVE was read with it after a pause of this process: no rate sample (it read many uplinks)
 LAG_CHUNKS = 8  # a planned source lacking more than this (or 2 windows) of what partners hold is lagging
@@ -92,7 +95,9 @@ class Link:
     holds: int | None = None  # bitset of the chunks it holds; None until its bitfield arrives
     held: int = 0  # how many chunks it holds
     outstanding: dict[int, float] = field(default_factory=dict)  # chunk -> when asked
-    rate: float = 0.0  # bytes/s while it had requests to serve
+    rate: float = 0.0  # bytes/s while it had requests to serve: ``carried`` over ``busy``
+    carried: float = 0.0  # bytes it delivered, each weighted by how recent (in time asked) it is
+    busy: float = 0.0  # seconds it had requests to serve, weighted alike
     last_arrival: float = 0.0
     received: int = 0  # bytes that verified
     bad: int = 0  # chunks that failed verification
@@ -118,8 +123,13 @@ class Link:
         this process: at N = 16 on 2 cores such samples made uplinks read 485 MB/s on 25 MB/s links)."""
         if timed_by_have and self.rate > 0 and took < BUNCHED * size / self.rate:
             return
-        sample = size / max(took, 1e-4)
-        self.rate = sample if self.rate == 0 else (1 - RATE_WEIGHT) * self.rate + RATE_WEIGHT * sample
+        if self.busy == 0:  # the first sample (or a rate set from outside, as tests do, counts RATE_TIME of it)
+            self.busy = RATE_TIME if self.rate > 0 else 0.0
+            self.carried = self.rate * self.busy
+        decay = math.exp(-took / RATE_TIME)
+        self.carried = self.carried * decay + size
+        self.busy = self.busy * decay + took
+        self.rate = self.carried / max(self.busy, 1e-4)
 
     def free(self, cap: int | None = None) -> int:
         return max(0, min(self.window, cap if cap is not None else self.window) - len(self.outstanding))

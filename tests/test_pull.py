@@ -365,6 +365,29 @@ def test_a_have_of_chunks_held_or_asked_already_decides_nothing_again_one_offeri
     assert s.dirty
 
 
+def test_chunks_read_back_to_back_after_a_pause_measure_what_the_link_delivered_meanwhile():
+    # a link delivering 10 MB/s; this process pauses 0.9 s while 9 chunks land in its socket, then
+    # reads them 0.1 ms apart: one sample spans the pause, 8 take a fraction of a millisecond. An
+    # average of per-chunk rates read about 3,000 MB/s (a fleet median of 125-339 MB/s on 50 MB/s
+    # uplinks demoted honest hosts); bytes over time asked read what the link delivered
+    s, clock = sched(n=32, links={1: "1" * 32}, window=32)
+    asked(s)
+    for i in range(8):
+        clock.t += CHUNK / 10e6
+        s.arrived(1, i, ok=True)
+    clock.t += 0.9
+    for i in range(8, 17):
+        s.arrived(1, i, ok=True)
+        clock.t += 0.0001
+    assert 8e6 < s.links[1].rate < 13e6
+    for i in range(17, 32):  # it goes on at a quarter of that: the rate follows within a few chunks
+        clock.t += CHUNK / 2.5e6
+        s.arrived(1, i, ok=True)
+        if i == 20:
+            assert s.links[1].rate < 5e6
+    assert s.links[1].rate == pytest.approx(2.5e6, rel=0.1)
+
+
 def test_a_parked_chunk_read_with_its_have_after_a_pause_does_not_inflate_the_link_s_rate():
     # a link delivering 10 MB/s (1 MiB every ~0.1 s); a chunk parked there is named in a HAVE and
     # arrives with it after a pause of this process (a fraction of a millisecond later): no sample
