@@ -319,8 +319,8 @@ class ModelCache:
                           "name": (manifest.origin or {}).get("repo", ""), "created": self.clock()}
             doc["bytes"] = sum(f["size"] for f in manifest.files)
             # copies whose folder is gone are forgotten here, not only by ``gc``: every join reads and rewrites
-            # this record under the index lock, and --out folders made and deleted by the thousand (2,359 of them
-            # on a bench host, 285 KB of JSON) cost each join 0.1-0.2 s of CPU, eight joins on one host in turn
+            # this record twice under the index lock, and --out folders made and deleted by the thousand (2,359
+            # on a bench host, 285 KB of JSON) cost each time 10-14 ms of CPU, eight joins on one host in turn
             copies = [c for c in doc.get("copies", []) if c.get("path") != path and os.path.isdir(c.get("path", ""))]
             doc["copies"] = copies + [{"path": path, "owned": owned, "layout": layout}]
             return doc
