@@ -155,6 +155,7 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         "done_max": _med(rep(r, "done_at", max) for r in ok),
         "exit_max": _med(r["time"] for r in ok),
         "killed": [r["killed"] for r in ok if r.get("killed")],
+        "demoted": [r.get("demoted") or [] for r in ok] if variant != BT else None,
         "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, variant, slow, case == "kill"),
     })
     return out
@@ -176,8 +177,8 @@ MAIN_HEAD = ("| case | N | Mbit/s | plan | p2pw t/floor | libtorrent t/floor | p
              "| bt seed tx/S | p2pw CPU s/GB/peer | bt CPU s/GB/peer | sim t/floor | CPU busy |\n"
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 DETAIL_HEAD = ("| case | N | tool | plan | runs t/floor | slow hosts worst | other hosts worst | joined by s "
-               "| first chunk s | last chunk s | last exit s | killed (host @ s, rx/S) |\n"
-               "|---|---|---|---|---|---|---|---|---|---|---|---|")
+               "| first chunk s | last chunk s | last exit s | killed (host @ s, rx/S) | made leaves (host @ s) |\n"
+               "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _plan(variant: str) -> str:
@@ -214,15 +215,22 @@ def detail_rows(summaries: list[dict]) -> list[str]:
         tool, plan = (BT, "bt") if s["variant"] == BT else ("p2pw", _plan(s["variant"]))
         if s.get("ratio") is None:
             rows.append(f"| {s['case']} | {s['n']} | {tool} | {plan} | FAIL: {'; '.join(s['errors'])[:200]} "
-                        "| | | | | | | |")
+                        "| | | | | | | | |")
             continue
         killed = ", ".join(f"h{k['host']} @ {k['at_s']:.1f}, {k['rx'] / s['size']:.2f}" for k in s["killed"]) or ""
         fails = f" ({s['failed']} failed)" if s["failed"] else ""
         runs = ", ".join(f"{x:.2f}" for x in s["ratios"])
         rows.append(f"| {s['case']} | {s['n']} | {tool} | {plan} | {runs}{fails} | "
                     f"{_f(s['slow_worst'])} | {_f(s['fast_worst'])} | {_f(s['started_max'])} | {_f(s['first_med'])} | "
-                    f"{_f(s['done_max'])} | {_f(s['exit_max'])} | {killed} |")
+                    f"{_f(s['done_max'])} | {_f(s['exit_max'])} | {killed} | {_leaves(s.get('demoted'))} |")
     return rows
+
+
+def _leaves(runs: list | None) -> str:
+    """Each run's demotions, runs apart by ';' ("none" for a run without; blank for libtorrent)."""
+    if runs is None:
+        return ""
+    return "; ".join(", ".join(f"h{h if h is not None else '?'} @ {t:.1f}" for h, t in run) or "none" for run in runs)
 
 
 def _versions() -> str:

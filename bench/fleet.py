@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -277,8 +278,7 @@ def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = N
         argv += ["--topology", plan]
     if chunk:
         argv += ["--chunk-size", str(chunk)]
-    if trace:
-        argv += ["--log-format", "json"]  # millisecond timestamps, for ``seed_events``
+    argv += ["--log-format", "json"]  # millisecond timestamps, for ``seed_events`` (demotions)
     outs = {h: work / f"{tag}.out{h}" for h in range(1, n + 1)}
     parent = f"{tb.addr(0)}:{P2PW_PORT}"
     try:
@@ -297,8 +297,8 @@ def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = N
     except (OSError, ValueError):
         r["settled"] = {}
     r["blob_size"] = json.loads(ready.read_text()).get("total_size")
-    if trace:
-        r["seed_events"] = seed_events(seed_log, r["wall0"])
+    r["seed_events"] = seed_events(seed_log, r["wall0"])
+    r["demoted"] = demotions(r["seed_events"], {doc.get("rank"): h for h, doc in r["reports"].items()})
     r.update(tool="p2pw", plan=plan or "default")
     r.pop("receivers")
     return r
@@ -328,6 +328,17 @@ def seed_events(seed_log: Path, wall0: float) -> list[tuple[float, str]]:
         except (ValueError, KeyError, TypeError):
             continue
         out.append((round(ts - wall0, 3), doc.get("message", "")))
+    return out
+
+
+def demotions(events: list[tuple[float, str]], host_of: dict) -> list[tuple[int | None, float]]:
+    """(host, seconds since launch) of each peer the tracker made a leaf (a probe or a review found its
+    uplink slow), from ``seed_events``; ``host_of`` maps ranks to hosts (None: a rank no report names)."""
+    out = []
+    for at, message in events:
+        m = re.match(r"peer rank (\d+) .*becomes a leaf", message)
+        if m:
+            out.append((host_of.get(int(m.group(1))), at))
     return out
 
 
