@@ -123,10 +123,7 @@ class Link:
         this process: at N = 16 on 2 cores such samples made uplinks read 485 MB/s on 25 MB/s links)."""
         if timed_by_have and self.rate > 0 and took < BUNCHED * size / self.rate:
             return
-        if self.busy == 0:  # the first sample (or a rate set from outside, as tests do, counts RATE_TIME of it)
-            self.busy = RATE_TIME if self.rate > 0 else 0.0
-            self.carried = self.rate * self.busy
-        decay = math.exp(-took / RATE_TIME)
+        decay = math.exp(-took / RATE_TIME)  # the first sample: 0 carried over 0 s before it
         self.carried = self.carried * decay + size
         self.busy = self.busy * decay + took
         self.rate = self.carried / max(self.busy, 1e-4)
