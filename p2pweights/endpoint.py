@@ -27,6 +27,8 @@ REVIEW_INTERVAL = 0.5  # seconds between reviews of the reported rates (one hear
 SNAPSHOT_INTERVAL = 0.5  # seconds between fleet snapshots (sooner, at most every SNAPSHOT_MIN, on a change)
 SNAPSHOT_MIN = 0.1
 SNAPSHOT_SHARE = 0.05  # and never more often than keeps the loop's time spent on them under this share
+SQUEEZED = 0.25  # a probe padding timed under this share of the other's was read right after it (a pause)
+MIN_PROBE_SPAN = 1e-3  # seconds: two probe paddings read closer together than this time nothing
 
 
 class TrackerEndpoint:
@@ -96,22 +98,28 @@ class TrackerEndpoint:
         """PROBE: seq 0 starts the clock, seqs 1 and 2 (their ``padding`` frames) each stop and
         restart it.  The faster of the two is the member's uplink as the tracker saw it (a pause of
         this loop, or of the machine, stretches one, rarely both); a host far below the others is
-        demoted now."""
+        demoted now.  Where one padding took under ``SQUEEZED`` of the other's time, the loop read
+        it right after the other (both arrived during a pause): their mean times the uplink, and
+        paddings read in one pass time nothing (the faster of such a pair read 9,830 MB/s on a
+        50 MB/s uplink, which raised the median every other probe is judged by)."""
         rank = self.members.get(ident)
         if rank is None:
             raise ProtocolError("PROBE from a connection that never joined")
         now, seq, size = self.clock(), f["seq"], len(padding)
-        start, best = self.probing.pop(ident, (None, float("inf")))
+        start, first = self.probing.pop(ident, (None, None))
         if seq == 0:
-            self.probing[ident] = (now, float("inf"))
+            self.probing[ident] = (now, None)
             return
-        if start is None or seq not in (1, 2) or size < PROBE_BYTES // 2:
+        if start is None or seq not in (1, 2) or size < PROBE_BYTES // 2 or (seq == 2) != (first is not None):
             return  # out of order, or too small to time: no measurement
-        best = min(best, now - start)
+        took = now - start
         if seq == 1:
-            self.probing[ident] = (now, best)
+            self.probing[ident] = (now, took)
             return
-        for r in self.tracker.probed(rank, size / max(best, 1e-4), long=best >= PROBE_MIN_TIME):
+        if first + took < MIN_PROBE_SPAN:
+            return  # both read in one pass of the loop: nothing timed
+        best = min(first, took) if min(first, took) >= SQUEEZED * max(first, took) else (first + took) / 2
+        for r in self.tracker.probed(rank, size / best, long=best >= PROBE_MIN_TIME):
             log.warning("peer rank %d sent its probe at %.1f MB/s, well below the fleet's %.1f (median): it "
                         "becomes a leaf", r, self.tracker.members[r].probe / 1e6, self.tracker.probe_median() / 1e6)
         self._announce()

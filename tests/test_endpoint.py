@@ -221,3 +221,24 @@ def test_probes_time_each_joiner_s_uplink_and_a_slow_one_is_a_leaf_at_once(manif
     assert told  # whoever it fed, or partnered, learns its new place
     with pytest.raises(ProtocolError):
         ep.probe(b"stranger", {"seq": 0}, b"")
+
+
+def test_a_probe_read_back_to_back_after_a_pause_is_timed_by_both_paddings(manifest):
+    # the loop paused while both paddings arrived: it read the second right after the first, and
+    # the faster of the two read thousands of MB/s (it raised the median others are judged by);
+    # both together time the uplink, and paddings read in one pass time nothing
+    from p2pweights.tracker import PROBE_BYTES
+
+    ep, clock = endpoint(manifest)
+    join(ep, 2)
+    ep.probe(b"id1", {"seq": 0}, b"")
+    clock.t += 0.2  # 2 x PROBE_BYTES at about 10 MB/s, the pause included
+    ep.probe(b"id1", {"seq": 1}, bytes(PROBE_BYTES))
+    clock.t += 0.0001
+    ep.probe(b"id1", {"seq": 2}, bytes(PROBE_BYTES))
+    assert ep.tracker.probes == [pytest.approx(PROBE_BYTES / 0.10005)]
+    ep.probe(b"id2", {"seq": 0}, b"")
+    ep.probe(b"id2", {"seq": 1}, bytes(PROBE_BYTES))
+    ep.probe(b"id2", {"seq": 2}, bytes(PROBE_BYTES))  # the clock never moved: one pass of the loop
+    ep.probe(b"id2", {"seq": 2}, bytes(PROBE_BYTES))  # and a second seq 2 is out of order
+    assert len(ep.tracker.probes) == 1 and not ep.tracker.members[2].probe
