@@ -33,8 +33,9 @@ show medians of ``--repeat`` runs.  ``bench/fleet.py`` does one run:
   receiver process (``os.wait4``) per GB of S, mean over receivers; CPU busy:
   the machine's cores during the run (it is shared: read ratios, not seconds).
 * sim: ``p2pw simulate`` for the same N, S, B, chunk and plan (slow hosts as
-  the uplinks of those ranks, the kill as rank 1 at a third; n/a where the
-  simulator cannot say).
+  the uplinks of those ranks, the kill as rank 1 at a third, ``--startup`` the
+  runs' median join() time since the launch; n/a where the simulator cannot
+  say).
 
 Needs root (network namespaces).  Results go to stdout and ``--md``
 (``bench/results/broadcast.md``); ``--json`` dumps every run.
@@ -83,11 +84,12 @@ def default_plan() -> str | None:
 
 
 def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str,
-              slow: dict[int, float] | None = None, kill: bool = False) -> float | None:
+              slow: dict[int, float] | None = None, kill: bool = False, startup: float | None = None) -> float | None:
     """p2pw simulate's time over the floor, or None where it cannot say (its API may change).
 
     Slow hosts go in as the uplinks of the same ranks (host h as rank h); the kill as rank 1
-    failing once a third of the model has gone out.
+    failing once a third of the model has gone out; ``startup``: the runs' median join() time
+    since the launch (interpreters importing on the bed's cores), which the floor does not hold.
     """
     try:
         from p2pweights.manifest import default_chunk_size
@@ -102,6 +104,8 @@ def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str,
             kw["uplinks"] = [slow.get(h, rate_mbit) * 1e6 / 8 for h in range(1, n + 1)]
         if kill:
             kw["failures"] = [(1, 1 / 3)]
+        if startup:
+            kw["startup"] = startup
         res = simulate(n, size, uplink, chunk or default_chunk_size(size), topology=plan, **kw)
         return res.time_last / (size / uplink)
     except Exception:
@@ -156,7 +160,11 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         "exit_max": _med(r["time"] for r in ok),
         "killed": [r["killed"] for r in ok if r.get("killed")],
         "demoted": [r.get("demoted") or [] for r in ok] if variant != BT else None,
-        "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, variant, slow, case == "kill"),
+        "started_med": _med(rep(r, "started_at", statistics.median) for r in ok),
+    })
+    out.update({
+        "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, variant, slow, case == "kill",
+                                                    out["started_med"]),
     })
     return out
 

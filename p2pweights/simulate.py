@@ -33,6 +33,7 @@ closed forms (star, chain) and within a few percent elsewhere.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import math
 import re
@@ -79,7 +80,8 @@ class Result:
             f"topology   {self.topology}  ({self.stripes} stripe{'s' if self.stripes > 1 else ''}, depth {self.depth})",
             f"peers      {self.nodes}",
             f"model      {_fmt_bytes(self.size)} in {math.ceil(self.size / self.chunk)} chunks of {_fmt_bytes(self.chunk)}",
-            f"time       {self.time_last:.3f} s   (peers done: min {s['min']:.3f}  median {s['median']:.3f}  max {s['max']:.3f})",
+            f"time       {self.time_last:.3f} s   (peers done: min {s['min']:.3f}  median {s['median']:.3f}  max {s['max']:.3f})"
+            + (f", joining {self.extra['startup']:.3f} s after the launch" if self.extra.get("startup") else ""),
             f"floor      {self.floor:.3f} s   (size / uplink)",
             f"ratio      {self.ratio:.3f}",
             f"seeder tx  {_fmt_bytes(self.seeder_tx_bytes)} = {self.seeder_tx_bytes / self.size:.2f} x size",
@@ -101,8 +103,24 @@ def resolve_topology(topology, nodes: int = 16, chunks: int = 64):
 
 def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="forest:2",
              latency: float = 0.0, window: int = 8, efficiency: float = 0.956,
+             budget: int = DEFAULT_BUDGET, uplinks=None, failures=(), startup: float = 0.0) -> Result:
+    """Predict the broadcast of ``size`` bytes to ``nodes`` peers (``_predict`` says how), the
+    peers joining ``startup`` seconds after the launch: the time a process takes to start and
+    reach the tracker (interpreter and imports, a container's start), added to every peer's."""
+    if startup < 0:
+        raise ValueError("startup must be >= 0")
+    res = _predict(nodes, size, uplink, chunk, topology, latency, window, efficiency, budget, uplinks, failures)
+    if not startup:
+        return res
+    t_last = res.time_last + startup
+    return dataclasses.replace(res, time_last=t_last, time_per_peer=res.time_per_peer + startup,
+                               ratio=t_last / res.floor, extra={**res.extra, "startup": startup})
+
+
+def _predict(nodes: int, size: int, uplink: float, chunk: int, topology="forest:2",
+             latency: float = 0.0, window: int = 8, efficiency: float = 0.956,
              budget: int = DEFAULT_BUDGET, uplinks=None, failures=()) -> Result:
-    """Predict the broadcast of ``size`` bytes to ``nodes`` peers.
+    """Predict the broadcast of ``size`` bytes to ``nodes`` peers, from their join.
 
     ``uplink`` is the seeder's configured uplink in bytes/s (and every peer's
     unless ``uplinks`` gives peer r's as ``uplinks[r - 1]``), ``chunk`` the
@@ -503,6 +521,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kill", default="", metavar="RANK@FRACTION",
                     help="peers killed once FRACTION of the model went out, e.g. 1@0.33 (comma-separated)")
     ap.add_argument("--latency", default="0", help="one-way hop latency, e.g. 1ms (default 0)")
+    ap.add_argument("--startup", default="0",
+                    help="time from launch until the peers join (process or container start), e.g. 0.4s "
+                         "(default 0)")
     ap.add_argument("--window", type=int, default=8, help="credit window in chunks (default 8)")
     ap.add_argument("--efficiency", type=float, default=0.956,
                     help="fraction of the uplink TCP gets (default 0.956, the testbed's htb)")
@@ -512,7 +533,8 @@ def main(argv=None) -> int:
         res = simulate(args.nodes, parse_size(args.size), up, parse_size(args.chunk),
                        args.topology, latency=parse_duration(args.latency), window=args.window,
                        efficiency=args.efficiency, uplinks=_uplinks(args, up),
-                       failures=[_kill(k) for k in args.kill.split(",") if k.strip()])
+                       failures=[_kill(k) for k in args.kill.split(",") if k.strip()],
+                       startup=parse_duration(args.startup))
     except ValueError as e:
         print(f"p2pw simulate: error: {e}", file=sys.stderr)
         return 2

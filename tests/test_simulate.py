@@ -183,3 +183,19 @@ def test_simulate_cli_takes_slow_hosts_and_kills(capsys):
                  "--kill", "3@0.5"]) == 0
     assert "ratio" in capsys.readouterr().out
     assert main(["--nodes", "4", "--size", "64MiB", "--uplink", "400Mbit", "--uplinks", "1Gbit,2Gbit"]) == 2
+
+
+def test_peers_joining_after_the_launch_finish_that_much_later(capsys):
+    # startup: the time a process takes to start and reach the tracker, which a user waits for too
+    from p2pweights.simulate import main
+
+    for kw in ({}, {"uplinks": [50e6] * 7 + [12.5e6]}, {"failures": [(2, 1 / 3)]}):
+        now = sim.simulate(8, 256 << 20, 50e6, 1 << 20, "forest:2", **kw)
+        late = sim.simulate(8, 256 << 20, 50e6, 1 << 20, "forest:2", startup=0.4, **kw)
+        assert late.time_last == pytest.approx(now.time_last + 0.4)
+        assert np.allclose(late.time_per_peer, now.time_per_peer + 0.4, equal_nan=True)
+        assert late.ratio == pytest.approx(late.time_last / now.floor)
+    with pytest.raises(ValueError, match="startup"):
+        sim.simulate(8, S, B, C, "forest:2", startup=-1)
+    assert main(["--nodes", "8", "--size", "64MiB", "--uplink", "400Mbit", "--startup", "400ms"]) == 0
+    assert "joining 0.400 s after the launch" in capsys.readouterr().out
