@@ -75,3 +75,22 @@ def test_libtorrent_baseline_on_three_hosts(model, tmp_path, kill):
     assert r["seed_tx"] >= r["size"] / 2                  # the seeder sent at least part of a copy
     if kill:
         assert r["killed"]["rx"] >= r["size"] / 3
+
+
+def test_ab_reads_each_run_s_cases_and_says_in_how_many_pairs_b_was_faster():
+    # bench/ab.py's own logic, on broadcast.py --json documents as the bench writes them
+    import ab
+
+    def doc(equal, slow2, leaves=()):
+        return {"summaries": [
+            {"case": "equal", "n": 8, "ratio": equal, "busy": 0.8, "demoted": [[]]},
+            {"case": "slow2", "n": 8, "ratio": slow2, "busy": 0.7, "demoted": [list(leaves)]},
+            {"case": "kill", "n": 8, "ratio": None, "failed": 1, "errors": ["timeout"]}]}
+
+    b1, a1 = ab.summarize(doc(1.20, 1.40, [(1, 1.0), (2, 1.5)])), ab.summarize(doc(1.22, 1.50))
+    b2, a2 = ab.summarize(doc(1.25, 1.45)), ab.summarize(doc(1.21, 1.55))
+    assert b1["cases"]["slow2 N=8"]["leaves"] == ["h1 @ 1.0", "h2 @ 1.5"] and "kill N=8" not in b1["cases"]
+    lines = ab.compare([(b1, a1), (b2, a2), ({"error": "bed failed"}, a1)])
+    assert lines == ["equal N=8: B median 1.225 (1.200-1.250), A median 1.215 (1.210-1.220), B faster in 1 of 2 pairs",
+                     "slow2 N=8: B median 1.425 (1.400-1.450), A median 1.525 (1.500-1.550), B faster in 2 of 2 pairs"]
+    assert ab._line(3, "B", {"error": "bed failed"}) == "[3] B FAILED: bed failed"
