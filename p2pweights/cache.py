@@ -150,6 +150,7 @@ class DiskCache:
         self.manifest = manifest
         self.out = os.path.abspath(out)
         self.on_error = on_error
+        self.on_finished = None  # called (on the finisher's thread) once every file is final and the marker written
         self.error: str | None = None
         # final names: each file's own name, or ``names`` (a Hugging Face cache's blobs/<etag>, see hfcache)
         self.paths = copy_paths(manifest, self.out, names)
@@ -332,6 +333,8 @@ class DiskCache:
             return
         self.close()
         self.finished.set()
+        if self.on_finished:
+            self.on_finished()
 
     def _write_back(self, chunks: list[int]) -> None:
         """Start writeback (not waiting for it) of verified ``chunks`` (WRITE_BACK_EVERY bytes of them)."""

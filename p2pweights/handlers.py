@@ -77,6 +77,9 @@ class Handlers:
             n._fail(body.decode(errors="replace"))
         elif verb == b"stop":
             n.stop_event.set()
+        elif verb in (b"leave", b"wake"):  # the timers run at the end of this pass (DONE, LEAVE), not in 50 ms
+            n.leave_when_done = n.leave_when_done or verb == b"leave"
+            n.next_timers = 0.0
 
     # ----- partners we pull from -----------------------------------------
 

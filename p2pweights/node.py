@@ -144,6 +144,14 @@ class Node:
         """From any thread: end the download with ``message``."""
         self.post(b"fail", message.encode())
 
+    def leave(self) -> None:
+        """From any thread: once done, leave the fleet as soon as no peer depends on us (LEAVE now)."""
+        self.post(b"leave")
+
+    def wake(self) -> None:
+        """From any thread: look at the timers now (something they wait on changed: the copy is final)."""
+        self.post(b"wake")
+
     def start(self) -> None:
         self.thread = threading.Thread(target=self.run, name="p2pw-node", daemon=True)
         self.thread.start()
