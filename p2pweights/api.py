@@ -371,7 +371,7 @@ class Download:
     def close(self, linger: bool = False, timeout: float | None = None) -> None:
         """Stop.  With ``linger``, first keep serving until the tracker says no peer depends on us."""
         if linger and not self.node.fatal:
-            self.node.leave()
+            self.node.post(b"leave")
             self.node.left.wait(timeout)
         self.node.stop()
         if self.loader is not None:
@@ -509,7 +509,7 @@ def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, st
     node.partners.set_plan(welcome["parents"], partners, welcome["stripes"])
     if cache is not None:
         cache.on_error = node.fail
-        cache.on_finished = node.wake  # DONE goes to the tracker now, not at the loop's next timeout
+        cache.on_finished = lambda: node.post(b"wake")  # DONE goes out now, not at the loop's next timeout
         node.extra_done.append(cache.finished.is_set)
         store.sinks.append(cache)
     loader = None

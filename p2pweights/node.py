@@ -123,7 +123,8 @@ class Node:
     # ----- other threads -------------------------------------------------
 
     def post(self, verb: bytes, body: bytes = b"") -> None:
-        """From any thread: hand ``verb`` to the loop (``urgent``, ``fail``, ``stop``)."""
+        """From any thread: hand ``verb`` to the loop (``urgent``, ``fail``, ``stop``; ``leave``: once done,
+        leave as soon as nobody depends on us; ``wake``: run the timers now, the copy is final)."""
         with self._outside_lock:
             if self._outside is None:
                 self._outside = self.ctx.socket(zmq.PUSH)
@@ -143,14 +144,6 @@ class Node:
     def fail(self, message: str) -> None:
         """From any thread: end the download with ``message``."""
         self.post(b"fail", message.encode())
-
-    def leave(self) -> None:
-        """From any thread: once done, leave the fleet as soon as no peer depends on us (LEAVE now)."""
-        self.post(b"leave")
-
-    def wake(self) -> None:
-        """From any thread: look at the timers now (something they wait on changed: the copy is final)."""
-        self.post(b"wake")
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.run, name="p2pw-node", daemon=True)
