@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -49,9 +50,15 @@ def run_side(tree: Path, bench_args: list[str], out: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}  # its package before the installed (editable) one
     cmd = [sys.executable, str(tree / "bench" / "broadcast.py"), *bench_args, "--tools", "p2pw", "--repeat", "1",
            "--trace", "--json", str(out), "--md", str(out.with_suffix(".md"))]
-    cp = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
-    if cp.returncode or not out.exists():
-        return {"error": (cp.stderr or cp.stdout).strip()[-300:]}
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate()
+    except BaseException:  # Ctrl-C or SIGTERM here: the bench tears its namespaces down on SIGTERM
+        proc.terminate()
+        proc.wait(60)
+        raise
+    if proc.returncode or not out.exists():
+        return {"error": (stderr or stdout).strip()[-300:]}
     return summarize(json.loads(out.read_text()))
 
 
@@ -91,6 +98,10 @@ def _line(i: int, side: str, res: dict) -> str:
     return f"[{i}] {side} " + "; ".join(cells)
 
 
+def _sigterm(*_):
+    raise SystemExit(143)  # unwind: the running bench is stopped and the worktrees removed
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  usage="bench/ab.py [--a REV] [--b REV | --patch FILE] [--pairs N] -- BROADCAST ARGS")
@@ -100,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=4, help="B-then-A pairs (4)")
     ap.add_argument("bench", nargs="*", help="arguments for bench/broadcast.py (after --)")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm)
     if args.b and args.patch:
         ap.error("give --b or --patch, not both")
     patch = Path(args.patch).read_text() if args.patch else None if args.b else git("diff", "HEAD")
