@@ -61,3 +61,31 @@ def test_a_request_on_a_dropped_childs_connection_is_answered_not_counted_as_bad
         dealer.close()
         node._close_sockets()
         ctx.term()
+
+
+def test_leave_and_wake_reach_the_loop_through_its_inbox_and_run_its_timers_at_once():
+    # another thread (Download.close, the disk finisher) never writes the loop's state: it posts a
+    # verb, and the loop's handler sets it and has the timers run at the end of that pass (DONE and
+    # LEAVE go out then, not at the next poll timeout of an idle loop)
+    from p2pweights.handlers import Handlers
+
+    m = Manifest(total_size=8192, chunk_size=4096, chunks=["0" * 16, "0" * 16])
+    ctx = zmq.Context()
+    router, _ = bind_router(ctx, "127.0.0.1", 0)
+    node = Node(ctx, router, m, Store(m), peer_id="t")
+    handlers = Handlers(node)
+    try:
+        node.next_timers = 1e9
+        node.post(b"wake")
+        assert node.inbox.poll(5000)
+        handlers.on_inbox(node.inbox)
+        assert node.next_timers == 0.0 and not node.leave_when_done
+        node.next_timers = 1e9
+        node.post(b"leave")
+        assert node.inbox.poll(5000)
+        handlers.on_inbox(node.inbox)
+        assert node.next_timers == 0.0 and node.leave_when_done
+    finally:
+        node.stop(timeout=0)
+        node._close_sockets()
+        ctx.term()
