@@ -146,6 +146,7 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         xs = [d[key] for d in r["reports"].values() if key in d]
         return f(xs) if xs else None
 
+    started = _med(rep(r, "started_at", statistics.median) for r in ok)  # the joins' start, for the simulator
     out.update({
         "size": size, "floor": floor,
         "ratio": _med(r["time"] / floor for r in ok), "ratios": [round(r["time"] / floor, 3) for r in ok],
@@ -160,11 +161,9 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         "exit_max": _med(r["time"] for r in ok),
         "killed": [r["killed"] for r in ok if r.get("killed")],
         "demoted": [r.get("demoted") or [] for r in ok] if variant != BT else None,
-        "started_med": _med(rep(r, "started_at", statistics.median) for r in ok),
-    })
-    out.update({
+        "started_med": started,
         "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, variant, slow, case == "kill",
-                                                    out["started_med"]),
+                                                    started),
     })
     return out
 

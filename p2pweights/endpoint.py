@@ -118,7 +118,8 @@ class TrackerEndpoint:
             return
         if first + took < MIN_PROBE_SPAN:
             return  # both read in one pass of the loop: nothing timed
-        best = min(first, took) if min(first, took) >= SQUEEZED * max(first, took) else (first + took) / 2
+        fast, slow = sorted((first, took))
+        best = fast if fast >= SQUEEZED * slow else (fast + slow) / 2
         for r in self.tracker.probed(rank, size / best, long=best >= PROBE_MIN_TIME):
             log.warning("peer rank %d sent its probe at %.1f MB/s, well below the fleet's %.1f (median): it "
                         "becomes a leaf", r, self.tracker.members[r].probe / 1e6, self.tracker.probe_median() / 1e6)

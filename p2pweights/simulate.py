@@ -104,23 +104,7 @@ def resolve_topology(topology, nodes: int = 16, chunks: int = 64):
 def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="forest:2",
              latency: float = 0.0, window: int = 8, efficiency: float = 0.956,
              budget: int = DEFAULT_BUDGET, uplinks=None, failures=(), startup: float = 0.0) -> Result:
-    """Predict the broadcast of ``size`` bytes to ``nodes`` peers (``_predict`` says how), the
-    peers joining ``startup`` seconds after the launch: the time a process takes to start and
-    reach the tracker (interpreter and imports, a container's start), added to every peer's."""
-    if startup < 0:
-        raise ValueError("startup must be >= 0")
-    res = _predict(nodes, size, uplink, chunk, topology, latency, window, efficiency, budget, uplinks, failures)
-    if not startup:
-        return res
-    t_last = res.time_last + startup
-    return dataclasses.replace(res, time_last=t_last, time_per_peer=res.time_per_peer + startup,
-                               ratio=t_last / res.floor, extra={**res.extra, "startup": startup})
-
-
-def _predict(nodes: int, size: int, uplink: float, chunk: int, topology="forest:2",
-             latency: float = 0.0, window: int = 8, efficiency: float = 0.956,
-             budget: int = DEFAULT_BUDGET, uplinks=None, failures=()) -> Result:
-    """Predict the broadcast of ``size`` bytes to ``nodes`` peers, from their join.
+    """Predict the broadcast of ``size`` bytes to ``nodes`` peers.
 
     ``uplink`` is the seeder's configured uplink in bytes/s (and every peer's
     unless ``uplinks`` gives peer r's as ``uplinks[r - 1]``), ``chunk`` the
@@ -135,8 +119,24 @@ def _predict(nodes: int, size: int, uplink: float, chunk: int, topology="forest:
     ``failures``: ``(rank, fraction)`` pairs, a peer killed once that fraction
     of the model has gone out; the tracker re-places its dependents and the
     rest of the model flows over the new plan (its in-flight requests are
-    re-asked at once: a dropped connection).
+    re-asked at once: a dropped connection).  ``startup``: seconds from the
+    launch until the peers join (the time a process takes to start and reach
+    the tracker: interpreter and imports, a container's start), added to every
+    peer's.
     """
+    if startup < 0:
+        raise ValueError("startup must be >= 0")
+    res = _predict(nodes, size, uplink, chunk, topology, latency, window, efficiency, budget, uplinks, failures)
+    if not startup:
+        return res
+    t_last = res.time_last + startup
+    return dataclasses.replace(res, time_last=t_last, time_per_peer=res.time_per_peer + startup,
+                               ratio=t_last / res.floor, extra={**res.extra, "startup": startup})
+
+
+def _predict(nodes: int, size: int, uplink: float, chunk: int, topology, latency: float, window: int,
+             efficiency: float, budget: int, uplinks, failures) -> Result:
+    """``simulate`` from the peers' join."""
     nodes, size, chunk, window = int(nodes), int(size), int(chunk), int(window)
     if nodes < 1 or size < 1 or chunk < 1 or window < 1:
         raise ValueError("nodes, size, chunk and window must be >= 1")

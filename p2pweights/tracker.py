@@ -425,14 +425,14 @@ class Tracker:
         if not self.placed:
             return []
         up = self.judged = self.uplinks()
-        least = self._least_held_below() if n_chunks else {}
         ordered = sorted(up.values())  # once: each host's reference is their median without it
         demoted = []
         for r, rate in up.items():
             m = self.members.get(r)
             if m is None or m.left or m.demoted or len(up) < 3:
                 continue
-            if n_chunks and least.get(r, 0) >= END_SHARE * n_chunks:
+            least = min((self.members[c].have for c in self.dependents(r)), default=0) if n_chunks else 0
+            if n_chunks and least >= END_SHARE * n_chunks:  # its children are nearly done
                 m.slow_seen = 0
                 continue
             ref = median_without(ordered, rate)
@@ -441,15 +441,6 @@ class Tracker:
                 self._demote(m)
                 demoted.append(r)
         return demoted
-
-    def _least_held_below(self) -> dict[int, int]:
-        """Forwarder rank -> the fewest chunks any of its live, unfinished planned children holds."""
-        least: dict[int, int] = {}
-        for m in self.members.values():
-            if not m.left and not m.done:
-                for r in set(m.parents):
-                    least[r] = min(least.get(r, m.have), m.have)
-        return least
 
     def probed(self, rank: int, rate: float, long: bool = True) -> list[int]:
         """``rank``'s probe arrived at ``rate`` bytes/s (``long``: it took ``PROBE_MIN_TIME`` or more):

@@ -1,4 +1,5 @@
 """Node state that a test can drive by hand: the clock is passed in, no loop runs."""
+import pytest
 import zmq
 
 from p2pweights.manifest import Manifest
@@ -7,48 +8,49 @@ from p2pweights.protocol import SERVER_TRANSITIONS, Connection
 from p2pweights.store import Store
 
 
-def test_quiet_strangers_are_forgotten_children_are_not():
+@pytest.fixture
+def node():
+    """A node on a loopback ROUTER; no loop runs.  Ends its sockets."""
     m = Manifest(total_size=8192, chunk_size=4096, chunks=["0" * 16, "0" * 16])
     ctx = zmq.Context()
     router, _ = bind_router(ctx, "127.0.0.1", 0)
-    node = Node(ctx, router, m, Store(m), peer_id="t")
-    try:
-        for ident in (b"stranger", b"child", b"hostile"):
-            node.seen[ident] = 0.0
-            node.conns[ident] = Connection(SERVER_TRANSITIONS, "new")
-        node.bad[b"hostile"] = 40
-        node.children[b"child"] = Child("c", 1)
-        node._prune(IDLE_FORGET / 2)  # not quiet long enough yet
-        assert set(node.conns) == {b"stranger", b"child", b"hostile"}
-        node._prune(IDLE_FORGET + 1)
-        assert set(node.conns) == {b"child"} and set(node.seen) == {b"child"} and b"hostile" not in node.bad
-    finally:
-        node._close_sockets()
-        ctx.term()
+    n = Node(ctx, router, m, Store(m), peer_id="t")
+    yield n
+    n.stop(timeout=0)  # closes the socket other threads post through
+    n._close_sockets()
+    ctx.term()
 
 
-def test_a_request_on_a_dropped_childs_connection_is_answered_not_counted_as_bad():
+def test_quiet_strangers_are_forgotten_children_are_not(node):
+    for ident in (b"stranger", b"child", b"hostile"):
+        node.seen[ident] = 0.0
+        node.conns[ident] = Connection(SERVER_TRANSITIONS, "new")
+    node.bad[b"hostile"] = 40
+    node.children[b"child"] = Child("c", 1)
+    node._prune(IDLE_FORGET / 2)  # not quiet long enough yet
+    assert set(node.conns) == {b"stranger", b"child", b"hostile"}
+    node._prune(IDLE_FORGET + 1)
+    assert set(node.conns) == {b"child"} and set(node.seen) == {b"child"} and b"hostile" not in node.bad
+
+
+def test_a_request_on_a_dropped_childs_connection_is_answered_not_counted_as_bad(node):
     from p2pweights import protocol
     from p2pweights.handlers import Handlers
     from p2pweights.protocol import Msg
 
-    m = Manifest(total_size=8192, chunk_size=4096, chunks=["0" * 16, "0" * 16])
-    ctx = zmq.Context()
-    router, port = bind_router(ctx, "127.0.0.1", 0)
-    node = Node(ctx, router, m, Store(m), peer_id="t")
     handlers = Handlers(node)
-    dealer = ctx.socket(zmq.DEALER)
+    dealer = node.ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     try:
-        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.connect(node.router.getsockopt(zmq.LAST_ENDPOINT).decode())
 
         def deliver(frame: bytes) -> bytes:
             dealer.send(frame)
-            assert router.poll(5000)
-            handlers.on_router(router)
+            assert node.router.poll(5000)
+            handlers.on_router(node.router)
             return next(iter(node.conns)) if len(node.conns) == 1 else None
 
-        ident = deliver(protocol.control(Msg.ATTACH, peer_id="c", rank=1, model_id=m.model_id))
+        ident = deliver(protocol.control(Msg.ATTACH, peer_id="c", rank=1, model_id=node.manifest.model_id))
         assert dealer.poll(5000) and protocol.decode(dealer.recv_multipart()).type == Msg.ATTACHED
         node.forget(ident)  # as when a send to it found no connection (EHOSTUNREACH)
         deliver(protocol.request([0]))
@@ -59,33 +61,18 @@ def test_a_request_on_a_dropped_childs_connection_is_answered_not_counted_as_bad
         assert node.bad == {} and node.stats.malformed == 0
     finally:
         dealer.close()
-        node._close_sockets()
-        ctx.term()
 
 
-def test_leave_and_wake_reach_the_loop_through_its_inbox_and_run_its_timers_at_once():
+def test_leave_and_wake_reach_the_loop_through_its_inbox_and_run_its_timers_at_once(node):
     # another thread (Download.close, the disk finisher) never writes the loop's state: it posts a
     # verb, and the loop's handler sets it and has the timers run at the end of that pass (DONE and
     # LEAVE go out then, not at the next poll timeout of an idle loop)
     from p2pweights.handlers import Handlers
 
-    m = Manifest(total_size=8192, chunk_size=4096, chunks=["0" * 16, "0" * 16])
-    ctx = zmq.Context()
-    router, _ = bind_router(ctx, "127.0.0.1", 0)
-    node = Node(ctx, router, m, Store(m), peer_id="t")
     handlers = Handlers(node)
-    try:
+    for verb, leaving in ((b"wake", False), (b"leave", True)):
         node.next_timers = 1e9
-        node.post(b"wake")
+        node.post(verb)
         assert node.inbox.poll(5000)
         handlers.on_inbox(node.inbox)
-        assert node.next_timers == 0.0 and not node.leave_when_done
-        node.next_timers = 1e9
-        node.post(b"leave")
-        assert node.inbox.poll(5000)
-        handlers.on_inbox(node.inbox)
-        assert node.next_timers == 0.0 and node.leave_when_done
-    finally:
-        node.stop(timeout=0)
-        node._close_sockets()
-        ctx.term()
+        assert node.next_timers == 0.0 and node.leave_when_done == leaving
