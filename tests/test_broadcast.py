@@ -49,10 +49,12 @@ def test_directory_to_n_peers(procs, tmp_path, model_dir, peers):
     for r in reports:
         assert len(r["parents"]) == 2  # the default plan: two interior-disjoint stripe trees
         assert seed["peers"][str(r["rank"])]["done"]
-    # the seeder has one slot per stripe, so it sends less than a star would; on loopback a peer can
-    # finish (and leave) before the next one has started, which makes "about once" a netbed assertion
+    # the seeder has one slot per stripe, so it sends at most what a star would; on loopback a peer can
+    # finish (and leave) before the next one has started (a 6 MB copy takes some 20 ms there, a join
+    # starts in 100; since a done join leaves at once rather than at its loop's next timeout, all three
+    # did so in 2 runs of about 15), and then each is sent a copy: "about once" is a netbed assertion
     # (tests/test_netbed_broadcast.py), not one for here
-    assert blob <= seed["bytes_sent"] and (peers == 1 or seed["bytes_sent"] < peers * blob), seed["bytes_sent"]
+    assert blob <= seed["bytes_sent"] <= peers * blob, seed["bytes_sent"]
 
 
 def test_trace_names_each_chunk_once_with_when_and_from_whom(procs, tmp_path, model_dir):
