@@ -109,6 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--b", help="the version to judge (default: HEAD with the working tree's uncommitted changes)")
     ap.add_argument("--patch", help="or: HEAD with this diff applied")
     ap.add_argument("--pairs", type=int, default=4, help="B-then-A pairs (4)")
+    ap.add_argument("--keep", help="keep every run's --json (B1.json, A1.json, ...) in this folder, for bench/trace.py")
     ap.add_argument("bench", nargs="*", help="arguments for bench/broadcast.py (after --)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
         ap.error("nothing to judge: no --b, no --patch, and no uncommitted change")
     with tempfile.TemporaryDirectory(prefix="p2pw-ab-") as tmp:
         tmp = Path(tmp)
+        keep = Path(args.keep) if args.keep else tmp
+        keep.mkdir(parents=True, exist_ok=True)
         trees = {}
         try:
             trees["A"] = worktree(tmp / "a", args.a, None)
@@ -127,7 +130,7 @@ def main(argv=None) -> int:
             for i in range(1, args.pairs + 1):
                 got = {}
                 for side in ("B", "A"):
-                    got[side] = run_side(trees[side], args.bench, tmp / f"{side}{i}.json")
+                    got[side] = run_side(trees[side], args.bench, keep / f"{side}{i}.json")
                     print(_line(i, side, got[side]), flush=True)
                 pairs.append((got["B"], got["A"]))
             print("\n".join(compare(pairs)))

@@ -26,19 +26,22 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
    the other partners hold (``LAG_CHUNKS``), is much slower than the other
    links (``SLOW_LINK``), holds more than two windows we lack, was demoted
    by the tracker once that stripe is all we miss, stalled with nothing
-   arriving since, or has not attached within ``ATTACH_PATIENCE`` of its
-   link opening, taken from the
+   arriving since, has not attached within ``ATTACH_PATIENCE`` of its
+   link opening, or holds every chunk while another partner does too (the
+   drain: the seeder is done and finished peers idle), taken from the
    partners that hold them: only the cheapest (not slow: demoted by the
    tracker or below ``SLOW_HELPER`` of the typical link; then feeding fewest
-   peers through its children, ``downstream``: help from a stripe's root
-   slows its whole tree), each chunk from the one that would deliver it
+   peers through its children, ``downstream``, and never one feeding more
+   than ``HELP_DOWNSTREAM``: help from a stripe's root slows its whole
+   tree), each chunk from the one that would deliver it
    soonest (its requests there over its rate: an idle fast partner before a
    busy or slow one; ties at random, so requesters spread), rarest first
    among the lowest candidates, at most ``HELP_WINDOW`` per helping link and
    per planned source in all, so help never crowds out a partner's own
    children; where a planned source is demoted (its quarter-rate spare slot
    gives its stripe at half the others' pace), ``HELP_WINDOW`` from each
-   of the cheapest partners;
+   of the cheapest partners; from a partner that holds every chunk (it
+   forwards nothing new), its whole window;
 4. endgame: once nothing is left to ask, each missing chunk may be asked of a
    second holder; the first copy to arrive cancels the other request.
 
@@ -70,6 +73,8 @@ BUNCHED = 0.1  # a parked chunk verified within this share of a chunk-time (at t
 LAG_CHUNKS = 8  # a planned source lacking more than this (or 2 windows) of what partners hold is lagging
 SLOW_LINK = 0.3  # a planned source delivering below this share of the other links' median is slow
 SLOW_HELPER = 0.5  # a partner delivering below this share of the links' median helps only if none is faster
+HELP_DOWNSTREAM = 2  # a partner whose uplink feeds more peers than this beyond its children never helps
+#                    (a stripe's root helping others starved its own children, so the whole stripe lagged)
 HELP_WINDOW = 2  # requests a helping (non-planned) link carries at once
 SHARE_WINDOW = 3  # requests for orphaned stripes a partner that plans none of ours carries at once
 RAREST_AMONG = 16  # help picks the rarest of this many lowest candidates
@@ -110,6 +115,11 @@ class Link:
     @property
     def ready(self) -> bool:
         return self.holds is not None
+
+    @property
+    def complete(self) -> bool:
+        """It holds every chunk (a complete partner hears of every chunk it holds)."""
+        return self.held >= self.n_chunks
 
     def unpark(self, index: int) -> bool:
         """Whether ``index`` was parked here until its HAVE (forgetting it)."""
@@ -520,8 +530,9 @@ def _cost(sched: PullScheduler, lk: Link, typical: float) -> tuple[bool, int]:
     demoted it, or its link delivers below ``SLOW_HELPER`` of the ``typical`` link's rate: one
     carrying many flows; a request there waits seconds), then the peers its uplink feeds beyond its
     children (``downstream``), none once it holds every chunk (its children then keep up with it)."""
-    slow = lk.rank in sched.slow or 0 < lk.rate < SLOW_HELPER * typical
-    return slow, 0 if lk.held >= sched.n else sched.downstream.get(lk.rank, 0)
+    slow = lk.rank in sched.slow or (not lk.complete and 0 < lk.rate < SLOW_HELPER * typical)  # a complete
+    #   one's rate was measured while it forwarded: the tracker's word alone judges it now
+    return slow, 0 if lk.complete else sched.downstream.get(lk.rank, 0)
 
 
 def _cheapest(sched: PullScheduler, links: list[Link], wanted: int, typical: float) -> tuple[bool, int]:
@@ -544,13 +555,16 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: int, typical: float,
     budget = HELP_WINDOW * (max(1, len(planned)) + len(planned & sched.slow)) - sum(helping.values())
     cheapest = _cheapest(sched, ready, lagging & sched._avail, typical)  # what is still to ask
     cands = [lk for lk in sched.rng.sample(ready, len(ready))  # random: ``min`` below keeps the first of equals
-             if lk.rank != SEEDER and _cost(sched, lk, typical) <= cheapest]
+             if lk.rank != SEEDER and (cost := _cost(sched, lk, typical)) <= cheapest and cost[1] <= HELP_DOWNSTREAM]
     if planned & sched.slow:  # a demoted source's stripe comes mostly from partners: each cheap one helps (the
         #                       peer so fed finished last, two helpers at two requests while finished hosts idled)
         budget = max(budget, HELP_WINDOW * len(cands) - sum(helping[lk.rank] for lk in cands))
+    budget += sum(lk.free() for lk in cands if lk.complete)  # a complete partner feeds no pipeline: its whole
+    #   window helps (the last peers to finish took their backlog from one source while finished ones idled)
     while budget > 0 and cands:
         lk = min(cands, key=lambda x: _eta(x, typical))  # all as cheap: the soonest to deliver
-        chunks = sched._pick(lk, lagging & lk.holds, min(lk.free(), HELP_WINDOW - helping[lk.rank], 1), rarest=True)
+        cap = lk.free() if lk.complete else min(lk.free(), HELP_WINDOW - helping[lk.rank])
+        chunks = sched._pick(lk, lagging & lk.holds, min(cap, 1), rarest=True)
         if not chunks:
             cands.remove(lk)
             continue
@@ -564,6 +578,8 @@ def _help_mask(sched: PullScheduler) -> tuple[int, int]:
     """Chunks other partners may be asked for (stripes whose planned source lags), and the
     subset whose planned source is gone (which the seeder may serve too)."""
     mask = orphaned = sched.movable = 0
+    draining = sum(1 for lk in sched.links.values() if lk.rank != SEEDER and lk.complete) > 1  # the end: a
+    #   complete planned source is one holder among others, each asked for its whole window
     for s, rank in enumerate(sched.plan):
         src = sched.links.get(rank) if rank is not None else None
         in_stripe = sched.in_stripe[s]
@@ -583,7 +599,7 @@ def _help_mask(sched: PullScheduler) -> tuple[int, int]:
             slow = (rank in sched.slow and not sched.full & ~(sched.have | in_stripe)) or src.starved or \
                 (src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * _median(rates))
             # lagging: it lacks what others hold, it is slow, or it holds more than we keep up with
-            lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow or \
+            lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow or (src.complete and draining) or \
                 (missing & src.holds & ~sched.inflight).bit_count() > 2 * src.window
             # parked for a while at a source that still lacks them, though partners hold them: its
             # window waits on holes it must fill first, so they are taken from the partners

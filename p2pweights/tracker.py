@@ -25,6 +25,7 @@ from .topology import live_parent
 
 ROOT = 0
 PARTNERS = 4  # partners a joiner is given besides its planned parents
+PARTNER_SILENCE = 3.0  # seconds: a done peer waits to leave for an unfinished partner heard from this lately
 MAX_PARTNERS = 8  # partners one peer is given in all (newcomers also partner with earlier peers)
 SLOW_FRACTION = 0.33  # a host delivering below this share of the fleet's median uplink is demoted
 END_SHARE = 0.75  # a forwarder whose planned children all hold this share of the chunks is no longer judged
@@ -195,8 +196,10 @@ class Pullers:
         self.by_rank.setdefault(parent, set()).add(m.rank)
 
     def stop(self, m: Member) -> None:
-        """``m`` pulls from its parents no more (done, gone, or about to be given others)."""
+        """``m`` pulls from its parents no more (done, gone, or about to be given others), nor from
+        its partners."""
         self.lost.update(m.parents)
+        self.lost.update(m.partners)
 
     def take_lost(self) -> set[int]:
         out, self.lost = self.lost, set()
@@ -341,13 +344,22 @@ class Tracker:
         return self.pullers.of(rank, self.members)
 
     def leave(self, rank: int) -> list[int]:
-        """Let ``rank`` leave if nobody depends on it; returns who it must still wait for."""
-        waiting = self.dependents(rank)
+        """Let ``rank`` leave if nobody depends on it, in its plan or as a partner still missing chunks
+        (the last peers to finish take their backlog from every finished partner at once, not from one
+        planned source while the others have gone); returns who it must still wait for."""
+        waiting = self.dependents(rank) or self._unfinished_partners(self._member(rank))
         if not waiting and not self._member(rank).left:
             self.roster.depart(self._member(rank))
             if self.placed:
                 self._note(self.topology.remove(rank))
         return waiting
+
+    def _unfinished_partners(self, m: Member) -> list[int]:
+        """``m``'s partners still missing chunks and heard from within ``PARTNER_SILENCE`` (one dead
+        that nobody reported yet is not waited for)."""
+        now = self.clock()
+        return [p for p in m.partners if (x := self.members.get(p)) is not None and not x.done and not x.left
+                and now - x.seen < PARTNER_SILENCE]
 
     def gone(self, rank: int) -> list[tuple[int, int]]:
         """``rank`` left without asking (closed, or found dead): place nobody under it.
@@ -480,8 +492,14 @@ class Tracker:
 
     def _demote(self, m: Member) -> None:
         m.demoted = True
-        self._note(self.topology.demote(m.rank))
-        self.moved.extend(m.partners)  # they learn it feeds nobody further now (``downstream``)
+        moves = self.topology.demote(m.rank)
+        self._note(moves)
+        self.moved.extend(m.partners)  # they learn it feeds nobody further now (``downstream``),
+        for rank, stripe in moves:  # and the partners of each peer above a moved one that it feeds more
+            a = self.topology.parent[stripe].get(rank)  # (a stripe's new root, told nothing, helped
+            while a is not None and a != ROOT:  # others, and the whole stripe lagged)
+                self.moved.extend(self.members[a].partners if a in self.members else ())
+                a = self.topology.parent[stripe].get(a)
 
     def _member(self, rank: int) -> Member:
         try:

@@ -179,15 +179,34 @@ def test_a_member_waiting_to_leave_is_let_go_when_a_plan_change_moves_its_depend
     ep, _ = endpoint(manifest)
     join(ep, 8)
     leaver, (dep, stripe) = next((x, (r, s)) for x in range(1, 9) for r, m in ep.tracker.members.items()
-                                 for s, p in enumerate(m.parents) if p == x)
-    for r in ep.tracker.dependents(leaver):
-        if r != dep:
+                                 for s, p in enumerate(m.parents)
+                                 if p == x and r not in ep.tracker.members[x].partners)
+    for r in ep.tracker.members:
+        if r not in (dep, leaver):
             ep.done(f"id{r}".encode(), {})
     sent(ep)
     ep.leave(f"id{leaver}".encode(), {})
     assert [e.type for _, e in sent(ep)] == [Msg.LEAVE_WAIT]
     ep.orphan(f"id{dep}".encode(), {"rank": dep, "stripe": stripe, "parent": leaver, "reason": "slow"})
     assert leaver not in ep.tracker.members[dep].parents
+    assert (f"id{leaver}".encode(), Msg.LEAVE_OK) in [(i, e.type) for i, e in sent(ep)]
+
+
+def test_a_done_member_waits_to_leave_while_a_partner_still_misses_chunks(manifest):
+    # the last peers to finish take their backlog from every finished partner at once: a partner
+    # that left would leave them one planned source
+    ep, _ = endpoint(manifest)
+    join(ep, 8)
+    leaver = 1
+    partner = ep.tracker.members[leaver].partners[0]
+    for r in ep.tracker.members:
+        if r != partner:
+            ep.done(f"id{r}".encode(), {})
+    sent(ep)
+    ep.leave(f"id{leaver}".encode(), {})
+    [(_, e)] = sent(ep)
+    assert e.type == Msg.LEAVE_WAIT and e.fields["waiting_for"] == [partner]
+    ep.done(f"id{partner}".encode(), {})
     assert (f"id{leaver}".encode(), Msg.LEAVE_OK) in [(i, e.type) for i, e in sent(ep)]
 
 

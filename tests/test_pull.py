@@ -38,7 +38,7 @@ def asked(s) -> dict:
 
 
 def test_planned_source_is_asked_in_order_within_its_window():
-    s, _ = sched(links={1: "11111111", 2: "11111111"}, plan=(1,))
+    s, _ = sched(links={1: "11111111", 2: "1111111."}, plan=(1,))
     assert asked(s) == {1: [0, 1, 2, 3]}  # a healthy planned source: nobody else is bothered
     assert asked(s) == {}  # credits used up
 
@@ -76,7 +76,7 @@ def test_bad_chunk_is_asked_again_and_counted_against_the_link():
 
 def test_a_lagging_planned_source_loses_its_share_to_a_partner_that_holds_it():
     # the planned source (1) lacks chunks 2..31 that partner 2 holds: 1 is far behind the swarm
-    s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 32}, plan=(1,), window=4)
+    s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 31 + "."}, plan=(1,), window=4)
     got = asked(s)
     assert got[1] == [0, 1, 2, 3]  # what it holds, and two parked ahead of it (it forwards them at once)
     # the helper takes a few of the chunks the source lacks and nobody has asked for yet
@@ -136,7 +136,7 @@ def test_help_is_asked_of_partners_that_feed_nobody_further_not_of_a_stripe_root
 
 
 def test_a_dead_planned_source_gives_its_requests_back_at_once():
-    s, _ = sched(links={1: "11111111", 2: "11111111"}, plan=(1,), window=4)
+    s, _ = sched(links={1: "11111111", 2: "1111111."}, plan=(1,), window=4)
     assert asked(s) == {1: [0, 1, 2, 3]}
     assert s.drop(1) == [0, 1, 2, 3]
     got = asked(s)
@@ -171,7 +171,7 @@ def test_seeder_helps_only_an_orphaned_stripe():
 
 
 def test_stall_gives_requests_back_and_cancels_them():
-    s, clock = sched(links={1: "11111111", 2: "11111111"}, window=4)
+    s, clock = sched(links={1: "11111111", 2: "1111111."}, window=4)
     asked(s)
     clock.t = 100.0
     late = s.stalled()
@@ -191,6 +191,27 @@ def test_endgame_asks_a_second_holder_and_the_first_copy_cancels_the_other():
     s.arrived(2, 3, ok=True)
     assert s.take_cancels() == [(1, [3])]
     assert s.complete
+
+
+def test_finished_partners_each_help_with_their_whole_window_once_the_planned_source_is_finished():
+    # the drain: the planned source (1) and partners 2 and 3 hold every chunk; each finished
+    # partner's uplink feeds no pipeline any more, so each is asked for its whole window at once
+    # (the last peers to finish took their backlog from one planned source while finished ones idled)
+    s, _ = sched(n=64, have="1" * 16 + "." * 48, links={1: "1" * 64, 2: "1" * 64, 3: "1" * 64}, plan=(1,), window=8)
+    got = asked(s)
+    assert {r: len(v) for r, v in got.items()} == {1: 8, 2: 8, 3: 8}
+    assert len({i for v in got.values() for i in v}) == 24  # none asked twice
+    s, _ = sched(n=64, have="1" * 16 + "." * 48, links={1: "1" * 64, 2: "1" * 64, 3: "1" * 63 + "."}, plan=(1,),
+                 window=8)
+    got = asked(s)  # one finished partner besides the source: the drain has begun; 3 still forwards: it helps a little
+    assert len(got[1]) == len(got[2]) == 8 and len(got.get(3, [])) <= HELP_WINDOW
+
+
+def test_a_finished_partner_is_not_judged_slow_by_the_rate_it_had_while_it_forwarded():
+    # 3 delivered slowly while its uplink fed its own children; it holds every chunk now: it helps
+    s, _ = sched(n=64, have="1" * 16 + "." * 48, links={1: "1" * 64, 2: "1" * 64, 3: "1" * 64}, plan=(1,), window=8)
+    s.links[1].rate, s.links[2].rate, s.links[3].rate = 40e6, 40e6, 2e6
+    assert 3 in asked(s)
 
 
 def test_a_waiters_range_is_fetched_first():
@@ -242,7 +263,7 @@ def test_help_goes_to_the_partner_that_would_deliver_it_soonest():
     # ten times faster than 2 (an idle uplink against one busy with its children), so each chunk
     # of help goes to 3 until its help window is full, and only then to 2
     for trial in range(20):
-        s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 32, 3: "1" * 32}, plan=(1,), window=4)
+        s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 31 + ".", 3: "1" * 31 + "."}, plan=(1,), window=4)
         s.rng.seed(trial)
         s.links[2].rate, s.links[3].rate = 2e6, 20e6
         got = asked(s)
@@ -254,12 +275,12 @@ def test_a_partner_the_tracker_found_slow_helps_only_where_no_fast_one_holds_the
     # 2 was demoted (its uplink is taken by the leaf the plan gives it): 3 helps; where only 2
     # holds what the lagging source lacks, 2 helps
     for trial in range(20):
-        s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 32, 3: "1" * 32}, plan=(1,), window=4)
+        s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 31 + ".", 3: "1" * 31 + "."}, plan=(1,), window=4)
         s.rng.seed(trial)
         s.set_downstream({2: 0, 3: 0}, slow={2})
         got = asked(s)
         assert 2 not in got and 0 < len(got[3]) <= HELP_WINDOW
-    s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 32, 3: "1" * 2 + "." * 30}, plan=(1,), window=4)
+    s, _ = sched(n=32, links={1: "11" + "." * 30, 2: "1" * 31 + ".", 3: "1" * 2 + "." * 30}, plan=(1,), window=4)
     s.set_downstream({2: 0, 3: 0}, slow={2})
     assert 0 < len(asked(s)[2]) <= HELP_WINDOW
 
@@ -270,7 +291,8 @@ def test_a_stripe_fed_by_a_slow_source_is_helped_once_it_is_all_we_miss():
     # miss, fast partners that hold it help
     n = 32
     for have in ("1" * 24 + "." * 8, "1" * 24 + "1.1.1.1."):
-        s, _ = sched(n=n, stripes=2, have=have, plan=(1, 2), links={1: "1" * n, 2: "1" * n, 3: "1" * n}, window=4)
+        mid = "1" * (n - 1) + "."  # partners mid-run (one holding every chunk is done: its whole window helps)
+        s, _ = sched(n=n, stripes=2, have=have, plan=(1, 2), links={1: mid, 2: mid, 3: mid}, window=4)
         s.set_downstream({1: 0, 2: 0, 3: 0}, slow={2})
         s.links[2].window = 2  # what its measured rate gives a slow link
         got = asked(s)
@@ -283,7 +305,7 @@ def test_a_stripe_fed_by_a_slow_source_is_helped_once_it_is_all_we_miss():
 def test_partners_help_a_stripe_whose_planned_source_takes_long_to_attach():
     # the plan names 1, whose link is open but has not attached (no bitfield yet): for a moment we
     # wait for it, then partner 2, which holds the stripe, helps until it attaches
-    s, clock = sched(n=32, links={2: "1" * 32}, plan=(1,), window=4)
+    s, clock = sched(n=32, links={2: "1" * 31 + "."}, plan=(1,), window=4)
     s.add(1)
     assert asked(s) == {}
     clock.t = 1.5
@@ -297,7 +319,7 @@ def test_partners_help_a_stripe_whose_planned_source_takes_long_to_attach():
 def test_a_planned_source_whose_requests_stalled_is_helped_until_it_delivers_again():
     # 1 holds the stripe and answers nothing: once its requests stall (given back), its stripe is
     # lagging and partner 2 helps, though 1 never delivered a chunk to measure a rate on
-    s, clock = sched(n=32, links={1: "1" * 32, 2: "1" * 32}, plan=(1,), window=16)
+    s, clock = sched(n=32, links={1: "1" * 32, 2: "1" * 31 + "."}, plan=(1,), window=16)
     first = asked(s)
     assert set(first) == {1}
     clock.t = 20.0
@@ -330,8 +352,8 @@ def test_a_stripe_fed_by_a_demoted_host_gets_help_from_every_cheap_partner():
     # partners carries HELP_WINDOW requests (8 over 4 helpers), not a budget of the requester's
     # (the peer fed so finished last, two helpers at two requests while finished hosts idled)
     n = 64
-    s, _ = sched(n=n, stripes=2, have="1." * 32, plan=(1, 2), links={r: "1" * n for r in (1, 2, 3, 4, 5)},
-                 window=4)
+    mid = "1" * (n - 1) + "."  # partners mid-run (one holding every chunk is done: its whole window helps)
+    s, _ = sched(n=n, stripes=2, have="1." * 32, plan=(1, 2), links={r: mid for r in (1, 2, 3, 4, 5)}, window=4)
     s.set_downstream({r: 0 for r in (1, 2, 3, 4, 5)}, slow={2})
     for r in (1, 3, 4, 5):
         s.links[r].rate = 10e6

@@ -28,6 +28,20 @@ def test_a_peer_leaves_only_when_nobody_depends_on_it():
     assert late.parents == [0] and late5.parents == [0]
 
 
+def test_a_done_peer_waits_to_leave_for_an_unfinished_partner_it_still_hears_from():
+    clock = [0.0]
+    t = Tracker(make("forest:2"), "", clock=lambda: clock[0])
+    for i in range(1, 9):
+        t.join(f"p{i}", f"10.0.0.{i}:7000")
+    leaver, partner = next((r, p) for r in range(1, 9) for p in t.members[r].partners if p not in t.dependents(r))
+    for r in t.members:
+        if r != partner:
+            t.done(r)
+    assert t.leave(leaver) == [partner]  # it may still take chunks from us
+    clock[0] = 10.0  # silent that long (dead, and nobody noticed yet): we go
+    assert t.leave(leaver) == [] and t.members[leaver].left
+
+
 def test_death_reattaches_the_whole_subtree_under_live_ancestors():
     t = tracker_with(7)  # 1 -> 3, 5; 3 -> 7
     moved = t.gone(1)
@@ -164,6 +178,7 @@ def test_forest_partners_are_told_how_many_peers_each_one_feeds_further_down():
     assert entries[root]["downstream"] == f.downstream(root) == len(deeper) >= 4
     assert all(p["downstream"] >= 0 for p in entries.values() if p["rank"])
     t.take_moved()
+    orphans = set(f.kids[0][root])
     for m in t.members.values():
         m.rates = {p: (10e6 if p == root else 40e6) for p in set(m.parents) | set(m.partners) if p}
     for _ in range(3):
@@ -171,6 +186,8 @@ def test_forest_partners_are_told_how_many_peers_each_one_feeds_further_down():
     told = t.take_moved()
     assert set(t.members[root].partners) <= set(told)  # they learn that it feeds nobody further now
     assert f.downstream(root) == 0
+    heirs = {f.parent[0][c] for c in orphans} - {0}  # who took its children (the stripe's new root)
+    assert heirs and all(set(t.members[h].partners) <= set(told) for h in heirs)  # and that they feed more now
     entries = [p for r in told for p in t.partner_addrs(t.members[r]) + t.parent_addrs(t.members[r])]
     assert {p["rank"] for p in entries if p.get("slow")} == {root}  # and that its uplink is slow
 
