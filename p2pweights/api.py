@@ -369,7 +369,8 @@ class Download:
         return self._device().report()
 
     def close(self, linger: bool = False, timeout: float | None = None) -> None:
-        """Stop.  With ``linger``, first keep serving until the tracker says no peer depends on us."""
+        """Stop.  With ``linger``, first keep serving until the tracker says no peer depends on us (by
+        plan, or as a partner still missing chunks, for a while)."""
         if linger and not self.node.fatal:
             self.node.post(b"leave")
             self.node.left.wait(timeout)

@@ -26,6 +26,7 @@ from .topology import live_parent
 ROOT = 0
 PARTNERS = 4  # partners a joiner is given besides its planned parents
 PARTNER_SILENCE = 3.0  # seconds: a done peer waits to leave for an unfinished partner heard from this lately
+PARTNER_LINGER = 0.25  # and at most this share of its own download's time (its user waits for its exit)
 MAX_PARTNERS = 8  # partners one peer is given in all (newcomers also partner with earlier peers)
 SLOW_FRACTION = 0.33  # a host delivering below this share of the fleet's median uplink is demoted
 END_SHARE = 0.75  # a forwarder whose planned children all hold this share of the chunks is no longer judged
@@ -48,6 +49,7 @@ class Member:
     done: bool = False
     left: bool = False
     seconds: float | None = None
+    done_at: float = 0.0
     seen: float = field(default_factory=time.monotonic)
     partners: list[int] = field(default_factory=list)
     rates: dict[int, float] = field(default_factory=dict)  # partner rank -> bytes/s it delivers while asked
@@ -336,7 +338,7 @@ class Tracker:
 
     def done(self, rank: int, seconds: float | None = None) -> None:
         m = self._member(rank)
-        m.done, m.seconds = True, seconds
+        m.done, m.seconds, m.done_at = True, seconds, self.clock()
         self.pullers.stop(m)
 
     def dependents(self, rank: int) -> list[int]:
@@ -356,8 +358,11 @@ class Tracker:
 
     def _unfinished_partners(self, m: Member) -> list[int]:
         """``m``'s partners still missing chunks and heard from within ``PARTNER_SILENCE`` (one dead
-        that nobody reported yet is not waited for)."""
+        that nobody reported yet is not waited for), while ``m`` has been done for less than
+        ``PARTNER_LINGER`` of its download's time (a partner far behind is not worth its user's wait)."""
         now = self.clock()
+        if m.done and now - m.done_at > PARTNER_LINGER * (m.done_at - m.joined):
+            return []
         return [p for p in m.partners if (x := self.members.get(p)) is not None and not x.done and not x.left
                 and now - x.seen < PARTNER_SILENCE]
 

@@ -42,6 +42,24 @@ def test_a_done_peer_waits_to_leave_for_an_unfinished_partner_it_still_hears_fro
     assert t.leave(leaver) == [] and t.members[leaver].left
 
 
+def test_a_done_peer_waits_for_an_unfinished_partner_a_quarter_of_its_download_s_time_at_most():
+    from p2pweights.tracker import PARTNER_LINGER
+
+    clock = [0.0]
+    t = Tracker(make("forest:2"), "", clock=lambda: clock[0])
+    for i in range(1, 9):
+        t.join(f"p{i}", f"10.0.0.{i}:7000")
+    leaver, partner = next((r, p) for r in range(1, 9) for p in t.members[r].partners if p not in t.dependents(r))
+    clock[0] = 8.0  # an 8 s download
+    for r in t.members:
+        if r != partner:
+            t.done(r)
+    t.members[partner].seen = clock[0] = 8.0 + 0.9 * PARTNER_LINGER * 8.0  # still heard from
+    assert t.leave(leaver) == [partner]
+    t.members[partner].seen = clock[0] = 8.0 + 1.1 * PARTNER_LINGER * 8.0  # still heard from, but far behind
+    assert t.leave(leaver) == [] and t.members[leaver].left
+
+
 def test_death_reattaches_the_whole_subtree_under_live_ancestors():
     t = tracker_with(7)  # 1 -> 3, 5; 3 -> 7
     moved = t.gone(1)
