@@ -41,7 +41,10 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
    children; where a planned source is demoted (its quarter-rate spare slot
    gives its stripe at half the others' pace), ``HELP_WINDOW`` from each
    of the cheapest partners; from a partner that holds every chunk (it
-   forwards nothing new), its whole window;
+   forwards nothing new), its whole window; once every chunk we miss is at
+   some partner (the seeder is done with us and no pipeline grows), every
+   partner that holds one helps with its whole window, the slow ones only
+   where no fast one holds the chunks;
 4. endgame: once nothing is left to ask, each missing chunk may be asked of a
    second holder; the first copy to arrive cancels the other request.
 
@@ -165,6 +168,7 @@ class PullScheduler:
         self.links: dict[int, Link] = {}
         self.downstream: dict[int, int] = {}  # rank -> peers its uplink feeds through its children
         self.slow: set[int] = set()  # ranks the tracker demoted (slow uplinks): asked for help last
+        self.ending = False  # every chunk we miss is held by a partner (see ``_help_mask``)
         self.plan: list[int | None] = [None] * stripes
         self.set_stripes(stripes)
         self.cancels: dict[int, list[int]] = {}  # rank -> chunks to CANCEL there (see take_cancels)
@@ -318,9 +322,8 @@ class PullScheduler:
     # ----- decisions ---------------------------------------------------------
 
     def requests(self) -> list[tuple[int, list[int]]]:
-        """What to ask of whom now: ``[(rank, [chunk, ...]), ...]``, each within its link's credits.
-
-        Nothing is decided again until a verb changed something (``dirty``)."""
+        """What to ask of whom now: ``[(rank, [chunk, ...]), ...]``, each within its link's credits;
+        nothing is decided again until a verb changed something (``dirty``)."""
         if not self.dirty:
             return []
         self.dirty = False
@@ -555,15 +558,17 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: int, typical: float,
     budget = HELP_WINDOW * (max(1, len(planned)) + len(planned & sched.slow)) - sum(helping.values())
     cheapest = _cheapest(sched, ready, lagging & sched._avail, typical)  # what is still to ask
     cands = [lk for lk in sched.rng.sample(ready, len(ready))  # random: ``min`` below keeps the first of equals
-             if lk.rank != SEEDER and (cost := _cost(sched, lk, typical)) <= cheapest and cost[1] <= HELP_DOWNSTREAM]
+             if lk.rank != SEEDER and ((cost := _cost(sched, lk, typical)) <= cheapest and cost[1] <= HELP_DOWNSTREAM
+                                       or sched.ending and cost[0] <= cheapest[0])]
+    whole = {lk.rank for lk in cands if lk.complete or sched.ending}  # no pipeline to feed: its whole window
     if planned & sched.slow:  # a demoted source's stripe comes mostly from partners: each cheap one helps (the
         #                       peer so fed finished last, two helpers at two requests while finished hosts idled)
         budget = max(budget, HELP_WINDOW * len(cands) - sum(helping[lk.rank] for lk in cands))
-    budget += sum(lk.free() for lk in cands if lk.complete)  # a complete partner feeds no pipeline: its whole
-    #   window helps (the last peers to finish took their backlog from one source while finished ones idled)
+    budget += sum(lk.free() for lk in cands if lk.rank in whole)  # a complete partner feeds no pipeline: its
+    #   whole window helps (the last peers to finish took their backlog from one source while finished ones idled)
     while budget > 0 and cands:
         lk = min(cands, key=lambda x: _eta(x, typical))  # all as cheap: the soonest to deliver
-        cap = lk.free() if lk.complete else min(lk.free(), HELP_WINDOW - helping[lk.rank])
+        cap = lk.free() if lk.rank in whole else min(lk.free(), HELP_WINDOW - helping[lk.rank])
         chunks = sched._pick(lk, lagging & lk.holds, min(cap, 1), rarest=True)
         if not chunks:
             cands.remove(lk)
@@ -578,6 +583,9 @@ def _help_mask(sched: PullScheduler) -> tuple[int, int]:
     """Chunks other partners may be asked for (stripes whose planned source lags), and the
     subset whose planned source is gone (which the seeder may serve too)."""
     mask = orphaned = sched.movable = 0
+    wanted = sched.full & ~sched.have
+    sched.ending = bool(wanted) and not wanted & ~_held_by(sched.links)  # the seeder is done with us: every
+    #   chunk we miss is at a partner, and no pipeline grows any more, so every partner holding one helps
     draining = sum(1 for lk in sched.links.values() if lk.rank != SEEDER and lk.complete) > 1  # the end: a
     #   complete planned source is one holder among others, each asked for its whole window
     for s, rank in enumerate(sched.plan):
@@ -608,7 +616,7 @@ def _help_mask(sched: PullScheduler) -> tuple[int, int]:
                               and now - t > STALL_MIN and len(sched.asked[i]) == 1)
             mask |= stuck
             sched.movable |= stuck
-        if lagging:
+        if lagging or sched.ending:
             mask |= missing & ~sched.inflight
             if slow:  # parked at a slow source
                 parked = bitset_of(i for i in src.outstanding if not src.holds >> i & 1 and len(sched.asked[i]) == 1)

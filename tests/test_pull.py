@@ -38,7 +38,7 @@ def asked(s) -> dict:
 
 
 def test_planned_source_is_asked_in_order_within_its_window():
-    s, _ = sched(links={1: "11111111", 2: "1111111."}, plan=(1,))
+    s, _ = sched(links={1: "1111111.", 2: "111111.."}, plan=(1,))  # mid-run: chunk 7 is the seeder's alone
     assert asked(s) == {1: [0, 1, 2, 3]}  # a healthy planned source: nobody else is bothered
     assert asked(s) == {}  # credits used up
 
@@ -84,7 +84,7 @@ def test_a_lagging_planned_source_loses_its_share_to_a_partner_that_holds_it():
 
 
 def test_a_planned_source_a_little_behind_keeps_its_share():
-    s, _ = sched(n=32, have="1" * 24 + "." * 8, links={1: "1" * 28 + "....", 2: "1" * 32}, plan=(1,), window=4)
+    s, _ = sched(n=32, have="1" * 24 + "." * 8, links={1: "1" * 28 + "....", 2: "1" * 31 + "."}, plan=(1,), window=4)
     assert set(asked(s)) == {1}
 
 
@@ -136,7 +136,7 @@ def test_help_is_asked_of_partners_that_feed_nobody_further_not_of_a_stripe_root
 
 
 def test_a_dead_planned_source_gives_its_requests_back_at_once():
-    s, _ = sched(links={1: "11111111", 2: "1111111."}, plan=(1,), window=4)
+    s, _ = sched(links={1: "1111111.", 2: "1111111."}, plan=(1,), window=4)
     assert asked(s) == {1: [0, 1, 2, 3]}
     assert s.drop(1) == [0, 1, 2, 3]
     got = asked(s)
@@ -171,7 +171,7 @@ def test_seeder_helps_only_an_orphaned_stripe():
 
 
 def test_stall_gives_requests_back_and_cancels_them():
-    s, clock = sched(links={1: "11111111", 2: "1111111."}, window=4)
+    s, clock = sched(links={1: "1111111.", 2: "1111111."}, window=4)
     asked(s)
     clock.t = 100.0
     late = s.stalled()
@@ -203,8 +203,24 @@ def test_finished_partners_each_help_with_their_whole_window_once_the_planned_so
     assert len({i for v in got.values() for i in v}) == 24  # none asked twice
     s, _ = sched(n=64, have="1" * 16 + "." * 48, links={1: "1" * 64, 2: "1" * 64, 3: "1" * 63 + "."}, plan=(1,),
                  window=8)
-    got = asked(s)  # one finished partner besides the source: the drain has begun; 3 still forwards: it helps a little
-    assert len(got[1]) == len(got[2]) == 8 and len(got.get(3, [])) <= HELP_WINDOW
+    got = asked(s)  # one finished partner besides the source: the drain has begun, and what we miss is all
+    assert {r: len(v) for r, v in got.items()} == {1: 8, 2: 8, 3: 8}  # at partners: 3 helps with its window too
+
+
+def test_once_every_chunk_we_miss_is_at_a_partner_each_helps_with_its_whole_window():
+    # the seeder is done with us: no pipeline grows any more, and partners that still miss chunks
+    # (so they still forward, and "finished" is not how they count) have uplink to spare
+    links = {1: "1" * 62 + "..", 2: "1" * 63 + ".", 3: "1" * 62 + ".1", 0: "1" * 64}
+    s, _ = sched(n=64, have="1" * 16 + "." * 48, links=links, plan=(1,), window=8)
+    s.set_downstream({1: 2, 2: 2, 3: 2})
+    got = asked(s)
+    assert {r: len(v) for r, v in got.items()} == {1: 8, 2: 8, 3: 8}  # not the seeder: it sends each chunk once
+    assert len({i for v in got.values() for i in v}) == 24
+    links[3] = "1" * 62 + ".."  # chunk 63: the seeder's alone, so it still feeds the trees: help stays small
+    s, _ = sched(n=64, have="1" * 16 + "." * 48, links=links, plan=(1,), window=8)
+    s.set_downstream({1: 2, 2: 2, 3: 2})
+    got = asked(s)
+    assert len(got[1]) == 8 and sum(len(v) for r, v in got.items() if r != 1) <= HELP_WINDOW * 2
 
 
 def test_a_finished_partner_is_not_judged_slow_by_the_rate_it_had_while_it_forwarded():
@@ -249,7 +265,7 @@ def test_endgame_never_asks_the_seeder_for_a_duplicate():
 
 
 def test_a_new_plan_withdraws_a_stripe_from_its_former_source():
-    s, _ = sched(n=8, stripes=2, plan=(0, 0), links={0: "11111111", 2: "11111111"}, window=4)
+    s, _ = sched(n=8, stripes=2, plan=(0, 0), links={0: "11111111", 2: "1111111."}, window=4)
     assert asked(s) == {0: [0, 1, 2, 3]}
     s.set_plan([0, 2])  # stripe 1 moves to peer 2 (an adoption)
     assert s.take_cancels() == [(0, [1, 3])]
@@ -312,14 +328,14 @@ def test_partners_help_a_stripe_whose_planned_source_takes_long_to_attach():
     s.stalled()  # the node's timer: time alone changed what is decided
     got = asked(s)
     assert set(got) == {2} and 0 < len(got[2]) <= HELP_WINDOW
-    s.ready(1, bits("1" * 32))
+    s.ready(1, bits("1" * 31 + "."))
     assert set(asked(s)) == {1}  # attached: its share is its own again
 
 
 def test_a_planned_source_whose_requests_stalled_is_helped_until_it_delivers_again():
     # 1 holds the stripe and answers nothing: once its requests stall (given back), its stripe is
     # lagging and partner 2 helps, though 1 never delivered a chunk to measure a rate on
-    s, clock = sched(n=32, links={1: "1" * 32, 2: "1" * 31 + "."}, plan=(1,), window=16)
+    s, clock = sched(n=32, links={1: "1" * 31 + ".", 2: "1" * 31 + "."}, plan=(1,), window=16)
     first = asked(s)
     assert set(first) == {1}
     clock.t = 20.0
@@ -334,7 +350,7 @@ def test_a_planned_source_whose_requests_stalled_is_helped_until_it_delivers_aga
 def test_requests_parked_long_at_a_source_that_lacks_them_go_to_a_partner_that_holds_them():
     # 1 (planned) lacks chunks 2 and 3 and its window of 2 waits on them; 2 holds them: after a
     # moment they are withdrawn from 1 and asked of 2, and 1's window moves on
-    s, clock = sched(n=8, have="11......", links={1: "11..1111", 2: "1" * 8}, plan=(1,), window=2)
+    s, clock = sched(n=8, have="11......", links={1: "11..111.", 2: "1111111."}, plan=(1,), window=2)
     assert asked(s) == {1: [2, 3]}  # parked ahead: it will forward them when it has them
     clock.t = 1.0
     s.stalled()
