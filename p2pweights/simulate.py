@@ -201,14 +201,14 @@ def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, 
     busiest forwarder.  The tracker demotes hosts below ``SLOW_FRACTION`` of
     the median to leaves, which takes their slots away: with F forwarders of
     k slots each and the seeder's one per stripe, k (N - 1 - F) (peer, stripe)
-    pairs have no planned source, and their partners share those stripes, so
-    each forwarder carries its own copy and 1/F of theirs.  The demoted hosts'
-    own service (each feeds one such pair, ``Forest.spare``: 0.26-0.36 S each
-    on the bed) is left out: on the bed the peers it feeds finish last, their
-    stripe arriving at about 0.7 of the others' rate, so the fleet gains no
-    time from it, which crediting it here would claim.  On top, each
-    slow host forwards until it is demoted (``_detection``); the uplink the
-    fleet missed meanwhile is made up by the forwarders."""
+    pairs have no planned source.  Each demoted host serves one of them at its
+    own rate (``Forest.spare``: a quarter-rate uplink carries half a stripe),
+    and the partners share the rest, so each forwarder carries its own copy
+    and 1/F of what the spare slots leave.  (On the bed, with the spare slots
+    taken out of the plan, two slow hosts took 1.495 x against 1.318: the
+    fleet gains what this credits.)  On top, each slow host forwards until it
+    is demoted (``_detection``); the uplink the fleet missed meanwhile is made
+    up by the forwarders."""
     median = float(np.median(rate[1:]))
     even = simulate(nodes, size, median / efficiency, chunk, topo.name, latency, window, efficiency, budget)
     fill = even.time_per_peer - size / median
@@ -216,7 +216,8 @@ def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, 
     fast = rate[1:][~slow]
     k, n_fast = topo.stripes, int(fast.size)
     unplaced = k * max(0, nodes - 1 - n_fast)
-    busiest = (size + unplaced * size / k / max(1, n_fast)) / float(np.median(fast)) if n_fast else 0.0
+    spares = np.sort(rate[1:][slow])[::-1][:unplaced]  # each demoted host serves one unplaced pair
+    busiest = _busiest(size, k, unplaced, spares, float(np.median(fast)), n_fast) if n_fast else 0.0
     bulk = max(size / rate[0], (nodes - 1) * size / float(rate[1:].sum()), busiest)
     detect = [_detection(k, chunk, r) for r in rate[1:][slow]]
     missed = sum(d * (median - r) for d, r in zip(detect, rate[1:][slow]))
@@ -228,6 +229,19 @@ def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, 
                   stripes=topo.stripes, depth=even.depth, coarsened=even.coarsened,
                   cpu_s=_time.process_time() - t0,
                   extra={"fill": float(fill.max()), "bulk": float(bulk), "unplaced": unplaced, "detection": float(delay)})
+
+
+def _busiest(size: int, k: int, unplaced: int, spares, r_fast: float, n_fast: int) -> float:
+    """Seconds the busiest forwarder (uplink ``r_fast``) takes: its own copy, and its 1/``n_fast``
+    share of the ``unplaced`` pairs' stripes (``size / k`` each) less what the demoted hosts'
+    spare slots (``spares``: their rates) deliver meanwhile, at most a stripe each."""
+    t = (size + unplaced * size / k / n_fast) / r_fast
+    for _ in range(50):  # a fixed point: the spares deliver for as long as the forwarder works
+        served = float(np.minimum(spares * t, size / k).sum())
+        t, before = (size + max(0.0, unplaced * size / k - served) / n_fast) / r_fast, t
+        if abs(t - before) < 1e-9 * before:
+            break
+    return t
 
 
 def _detection(k: int, chunk: int, r: float) -> float:

@@ -169,6 +169,19 @@ def test_slow_hosts_cost_only_their_share_of_the_uplinks():
     assert slow.ratio < even.ratio * 1.15
 
 
+def test_each_demoted_host_serves_one_unplaced_pair_and_the_forwarders_the_rest():
+    from p2pweights.simulate import _busiest
+
+    size, k, r = 1000.0, 2, 10.0
+    alone = _busiest(size, k, 4, np.array([]), r, 8)  # no spare slot: 8 forwarders share 4 half-stripes
+    assert alone == (size + 4 * size / k / 8) / r
+    spares = np.array([2.5, 2.5])  # two hosts at a quarter of the forwarders' rate
+    t = _busiest(size, k, 4, spares, r, 8)
+    assert size / r < t < alone
+    assert t == pytest.approx((size + (4 * size / k - 2 * 2.5 * t) / 8) / r)  # they serve while it works
+    assert _busiest(size, k, 2, np.array([1e6, 1e6]), r, 8) == size / r  # at most a stripe each: all of it
+
+
 def test_a_killed_peer_costs_the_rest_of_the_model_over_the_re_placed_plan():
     calm = sim.simulate(8, 256 << 20, 50e6, 1 << 20, "forest:2")
     hit = sim.simulate(8, 256 << 20, 50e6, 1 << 20, "forest:2", failures=[(1, 1 / 3)])
