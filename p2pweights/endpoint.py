@@ -18,12 +18,13 @@ import statistics
 import time
 
 from . import fleet, protocol
-from .protocol import MAX_NAME, Msg, ProtocolError
+from .protocol import MAX_NAME, YOUNG, Msg, ProtocolError
 from .tracker import PROBE_BYTES, PROBE_MIN_TIME, TrackerError
 
 log = logging.getLogger("p2pw")
 
-REVIEW_INTERVAL = 0.5  # seconds between reviews of the reported rates (one heartbeat)
+REVIEW_INTERVAL = 0.5  # seconds between reviews of the reported rates (one heartbeat; half that while a
+#                       peer that joined within ``protocol.YOUNG`` reports twice as often)
 SNAPSHOT_INTERVAL = 0.5  # seconds between fleet snapshots (sooner, at most every SNAPSHOT_MIN, on a change)
 SNAPSHOT_MIN = 0.1
 SNAPSHOT_SHARE = 0.05  # and never more often than keeps the loop's time spent on them under this share
@@ -42,6 +43,7 @@ class TrackerEndpoint:
         self.members: dict[bytes, int] = {}  # ident -> rank
         self.out: list[tuple[bytes, list]] = []
         self.next_review = 0.0
+        self.last_join = float("-inf")  # when the latest joiner was placed
         self.fleet: fleet.Fleet = fleet.snapshot(tracker, manifest)  # read by other threads: replaced, never changed
         self.fleet_frame: bytes | None = None  # the STATUS_REPLY payload of ``fleet``, encoded on first ask
         self.changed, self.snapshot_at, self.snapshot_cost = False, clock(), 0.0
@@ -81,7 +83,7 @@ class TrackerEndpoint:
             self._send(ident, protocol.control(Msg.ERROR, message=str(e), fatal=True))
             return False
         self.members[ident] = member.rank
-        self.changed = True
+        self.changed, self.last_join = True, self.clock()
         log.info("peer %s joined as rank %d under %s", f["peer_id"], member.rank,
                  ", ".join(f"rank {p}" for p in member.parents))
         self._send(ident, protocol.control(
@@ -120,6 +122,7 @@ class TrackerEndpoint:
             return  # both read in one pass of the loop: nothing timed
         fast, slow = sorted((first, took))
         best = fast if fast >= SQUEEZED * slow else (fast + slow) / 2
+        log.info("peer rank %d probe %.1f MB/s", rank, size / best / 1e6)
         for r in self.tracker.probed(rank, size / best, long=best >= PROBE_MIN_TIME):
             log.warning("peer rank %d sent its probe at %.1f MB/s, well below the fleet's %.1f (median): it "
                         "becomes a leaf", r, self.tracker.members[r].probe / 1e6, self.tracker.probe_median() / 1e6)
@@ -207,11 +210,12 @@ class TrackerEndpoint:
         return self.fleet
 
     def review(self) -> None:
-        """Every REVIEW_INTERVAL: demote hosts whose uplink delivers well below the fleet's."""
+        """Every REVIEW_INTERVAL (half that within YOUNG of a join): demote hosts whose uplink delivers well
+        below the fleet's."""
         now = self.clock()
         if now < self.next_review:
             return
-        self.next_review = now + REVIEW_INTERVAL
+        self.next_review = now + REVIEW_INTERVAL / (2 if now - self.last_join < YOUNG else 1)
         demoted = self.tracker.slow_hosts(self.manifest.n_chunks)
         up = self.tracker.judged  # what they were judged on (before their moves), for the log
         for rank in demoted:

@@ -41,6 +41,8 @@ INDEX = struct.Struct("<I")
 MAX_CONTROL_BODY = 64 << 10  # a control header larger than this is hostile
 MAX_REQUEST = 256  # chunk indices in one REQUEST
 MAX_NAME = 256  # longest peer id or listen address a HELLO or ATTACH may carry
+YOUNG = 2.0  # seconds after a join in which the peer reports twice as often, and the tracker reviews rates
+#              twice as often: a slow first joiner stops being a stripe's root at about 0.75 s, not 1.0
 
 
 class ProtocolError(ValueError):

@@ -7,7 +7,10 @@ it may also pull from.  Peers report what each partner delivers to them; a
 host whose uplink, as they see it (``uplinks``), falls well below the fleet's
 is demoted to a leaf (``slow_hosts``), and so is one that feeds nobody yet
 whose probe at join (``PROBE_BYTES`` sent to the tracker, timed on arrival:
-``probed``) ran well below the others', before it forwards anything.  It
+``probed``) ran well below the others', before it forwards anything.  In a
+joiner's first ``protocol.YOUNG`` seconds it reports, and is reviewed, twice
+as often, and a probe that ran at half the others' or better clears it (a
+fast host still starting delivers as slowly as a slow uplink).  It
 records who is done and lets a peer leave only once no unfinished peer
 depends on it, so a relay never strands its subtree.  Pure state with an
 injected clock: the endpoint (``endpoint.TrackerEndpoint``) feeds it events
@@ -21,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import UserError
+from .protocol import YOUNG
 from .topology import live_parent
 
 ROOT = 0
@@ -34,6 +38,8 @@ SLOW_EVIDENCE = 1  # consecutive rate reviews (one per heartbeat, 0.5 s) that mu
 #                   (one: each judges both what its children get while asking and what all its partners got)
 PROBE_BYTES = 512 << 10  # a joiner sends the tracker this much twice (WELCOME asks); its arrival times the uplink
 PROBE_MIN_TIME = 0.1  # seconds: a probe that took less proves nothing slow (loop and scheduling pauses are shorter)
+PROBE_CLEARS = 0.5  # a joiner whose probe ran at this share of the probes' median or better is not demoted
+#                    by its first rates (while ``protocol.YOUNG``): a fast host still starting delivers slowly
 PROBE_QUORUM = 5  # probes in before a probe judged against their median is settled (earlier ones are judged again)
 
 
@@ -453,7 +459,8 @@ class Tracker:
                 m.slow_seen = 0
                 continue
             ref = median_without(ordered, rate)
-            m.slow_seen = m.slow_seen + 1 if rate < SLOW_FRACTION * ref else 0
+            cleared = 0 < PROBE_CLEARS * self.probe_median() <= m.probe and self.clock() - m.joined < YOUNG
+            m.slow_seen = m.slow_seen + 1 if rate < SLOW_FRACTION * ref and not cleared else 0
             if m.slow_seen >= SLOW_EVIDENCE:
                 self._demote(m)
                 demoted.append(r)

@@ -6,7 +6,7 @@ import pytest
 from p2pweights import protocol
 from p2pweights.chunker import build
 from p2pweights.endpoint import REVIEW_INTERVAL, TrackerEndpoint
-from p2pweights.protocol import Msg, ProtocolError
+from p2pweights.protocol import YOUNG, Msg, ProtocolError
 from p2pweights.topology import make
 from p2pweights.tracker import SLOW_EVIDENCE, Tracker
 
@@ -125,6 +125,21 @@ def test_heartbeats_with_a_slow_forwarder_demote_it_after_repeated_reviews(manif
     for garbage in ({"links": {"x": "y"}}, {"got": {"2": "fast"}}, {"got": {"two": 1.0}}):
         with pytest.raises(ProtocolError):
             ep.heartbeat(b"id1", garbage)
+
+
+def test_rates_are_reviewed_twice_as_often_for_a_while_after_a_join(manifest):
+    # a slow first joiner is a stripe's root until a review sees its children's rates: in the
+    # joiners' first seconds (they report twice as often then) the tracker looks twice as often
+    ep, clock = endpoint(manifest)
+    ep.review()
+    assert ep.next_review == REVIEW_INTERVAL  # nobody joined yet
+    clock.t = 1.0
+    join(ep, 2)
+    ep.review()
+    assert ep.next_review == clock.t + REVIEW_INTERVAL / 2
+    clock.t = 1.0 + YOUNG
+    ep.review()
+    assert ep.next_review == clock.t + REVIEW_INTERVAL
 
 
 def test_leave_waits_for_dependents_and_is_let_go_when_the_last_is_done(manifest):

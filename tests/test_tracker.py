@@ -147,6 +147,30 @@ def test_forest_slow_host_is_demoted_to_a_leaf_from_its_partners_reports():
     assert t.slow_hosts() == []  # once
 
 
+def test_a_joiner_whose_probe_ran_fast_is_not_demoted_by_its_first_rates():
+    # in its first seconds a fast host still starting (nine processes on two cores) delivers as slowly
+    # as a slow uplink does; its probe at join tells them apart, so while it is young it clears it
+    from p2pweights.protocol import YOUNG
+    from p2pweights.tracker import SLOW_EVIDENCE
+
+    for probe, demoted_young in ((50e6, False), (12e6, True)):
+        clock = [0.0]
+        t = Tracker(make("forest:2"), "", clock=lambda: clock[0])
+        for i in range(1, 9):
+            t.join(f"p{i}", f"10.0.0.{i}:7000")
+        f = t.topology
+        slow = next(r for r in range(1, 9) if f.kids[f.group[r]][r])
+        for r in range(1, 9):
+            t.probed(r, probe if r == slow else 50e6, long=False)  # short probes: they judge nobody
+        for r, m in t.members.items():
+            m.rates = {p: (10e6 if p == slow else 40e6) for p in set(m.parents) | set(m.partners) if p}
+        found = [t.slow_hosts() for _ in range(SLOW_EVIDENCE)][-1]
+        assert found == ([slow] if demoted_young else [])
+        if not demoted_young:
+            clock[0] = YOUNG + 0.1  # no longer young: the rates alone judge it
+            assert [t.slow_hosts() for _ in range(SLOW_EVIDENCE)][-1] == [slow]
+
+
 def forest_with_reports(rate, delivered, n=8):
     """A forest:2 fleet of ``n`` and a forwarder ``x`` in it; every member reports ``rate(p, m)``
     (while asked) and ``delivered(p, m)`` (bytes/s lately) of each parent and partner ``p``."""
