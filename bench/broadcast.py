@@ -313,6 +313,8 @@ def run_n(n: int, args, model: str, torrent: str | None, work: str, size: int) -
             for case in args.cases:
                 tb.set_rates(case_rates(case, args.rate, args.slow_hosts, args.slow_factor))
                 for v in (args.variants if rep % 2 == 0 else args.variants[::-1]):
+                    os.sync()  # untimed: the last run's unsynced copies (libtorrent's 2-4 GB; p2pw's joins
+                    #            fsync theirs) or the model just written are not flushed during this one
                     try:
                         r = one_run(tb, v, model, torrent, n, work, case, args)
                     except fleet.CopyMismatch as exc:
