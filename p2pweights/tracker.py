@@ -444,7 +444,9 @@ class Tracker:
         and (given ``n_chunks``) only while one of their planned children misses
         more than ``1 - END_SHARE`` of the chunks: a demotion then only moves
         children that are nearly done, and the last requests, few and far between,
-        mislead (at N = 16, 2 of 5 runs demoted an honest host 0.5 s before the end)."""
+        mislead (at N = 16, 2 of 5 runs demoted an honest host 0.5 s before the end).
+        A host younger than ``YOUNG`` whose probe ran at ``PROBE_CLEARS`` of the probes'
+        median or better is not judged yet: still starting, it delivers as slowly as a slow uplink."""
         if not self.placed:
             return []
         up = self.judged = self.uplinks()
