@@ -23,8 +23,8 @@ from .tracker import PROBE_BYTES, PROBE_MIN_TIME, TrackerError
 
 log = logging.getLogger("p2pw")
 
-REVIEW_INTERVAL = 0.5  # seconds between reviews of the reported rates (one heartbeat; half that while a
-#                       peer that joined within ``protocol.YOUNG`` reports twice as often)
+REVIEW_INTERVAL = 0.5  # seconds between reviews of the reported rates (one heartbeat)
+YOUNG_REVIEW_INTERVAL = REVIEW_INTERVAL / 2  # while a peer that joined within ``protocol.YOUNG`` reports as often
 SNAPSHOT_INTERVAL = 0.5  # seconds between fleet snapshots (sooner, at most every SNAPSHOT_MIN, on a change)
 SNAPSHOT_MIN = 0.1
 SNAPSHOT_SHARE = 0.05  # and never more often than keeps the loop's time spent on them under this share
@@ -210,12 +210,12 @@ class TrackerEndpoint:
         return self.fleet
 
     def review(self) -> None:
-        """Every REVIEW_INTERVAL (half that within YOUNG of a join): demote hosts whose uplink delivers well
-        below the fleet's."""
+        """Every REVIEW_INTERVAL (YOUNG_REVIEW_INTERVAL within YOUNG of a join): demote hosts whose uplink
+        delivers well below the fleet's."""
         now = self.clock()
         if now < self.next_review:
             return
-        self.next_review = now + REVIEW_INTERVAL / (2 if now - self.last_join < YOUNG else 1)
+        self.next_review = now + (YOUNG_REVIEW_INTERVAL if now - self.last_join < YOUNG else REVIEW_INTERVAL)
         demoted = self.tracker.slow_hosts(self.manifest.n_chunks)
         up = self.tracker.judged  # what they were judged on (before their moves), for the log
         for rank in demoted:

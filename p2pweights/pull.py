@@ -27,8 +27,8 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
    links (``SLOW_LINK``), holds more than two windows we lack, was demoted
    by the tracker once that stripe is all we miss, stalled with nothing
    arriving since, has not attached within ``ATTACH_PATIENCE`` of its
-   link opening, or holds every chunk while another partner does too (the
-   drain: the seeder is done and finished peers idle), taken from the
+   link opening, or, the end phase, when every chunk we miss is at some
+   partner (the seeder is done with us, no pipeline grows), taken from the
    partners that hold them: only the cheapest (not slow: demoted by the
    tracker or below ``SLOW_HELPER`` of the typical link; then feeding fewest
    peers through its children, ``downstream``, and never one feeding more
@@ -40,11 +40,9 @@ rate measured on that link (``QUEUE_TIME`` seconds of it, clamped):
    per planned source in all, so help never crowds out a partner's own
    children; where a planned source is demoted (its quarter-rate spare slot
    gives its stripe at half the others' pace), ``HELP_WINDOW`` from each
-   of the cheapest partners; from a partner that holds every chunk (it
-   forwards nothing new), its whole window; once every chunk we miss is at
-   some partner (the seeder is done with us and no pipeline grows), every
-   partner that holds one helps with its whole window, the slow ones only
-   where no fast one holds the chunks;
+   of the cheapest partners; in the end phase every partner that holds one
+   (a finished one among them) helps with its whole window, the slow ones
+   only where no fast one holds the chunks;
 4. endgame: once nothing is left to ask, each missing chunk may be asked of a
    second holder; the first copy to arrive cancels the other request.
 
@@ -560,15 +558,15 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: int, typical: float,
     cands = [lk for lk in sched.rng.sample(ready, len(ready))  # random: ``min`` below keeps the first of equals
              if lk.rank != SEEDER and ((cost := _cost(sched, lk, typical)) <= cheapest and cost[1] <= HELP_DOWNSTREAM
                                        or sched.ending and cost[0] <= cheapest[0])]
-    whole = {lk.rank for lk in cands if lk.complete or sched.ending}  # no pipeline to feed: its whole window
     if planned & sched.slow:  # a demoted source's stripe comes mostly from partners: each cheap one helps (the
         #                       peer so fed finished last, two helpers at two requests while finished hosts idled)
         budget = max(budget, HELP_WINDOW * len(cands) - sum(helping[lk.rank] for lk in cands))
-    budget += sum(lk.free() for lk in cands if lk.rank in whole)  # a complete partner feeds no pipeline: its
-    #   whole window helps (the last peers to finish took their backlog from one source while finished ones idled)
+    if sched.ending:  # no pipeline to feed any more: each partner's whole window helps (the last peers to
+        #             finish took their backlog from one source while finished or nearly idle ones waited)
+        budget += sum(lk.free() for lk in cands)
     while budget > 0 and cands:
         lk = min(cands, key=lambda x: _eta(x, typical))  # all as cheap: the soonest to deliver
-        cap = lk.free() if lk.rank in whole else min(lk.free(), HELP_WINDOW - helping[lk.rank])
+        cap = lk.free() if sched.ending else min(lk.free(), HELP_WINDOW - helping[lk.rank])
         chunks = sched._pick(lk, lagging & lk.holds, min(cap, 1), rarest=True)
         if not chunks:
             cands.remove(lk)
@@ -585,9 +583,8 @@ def _help_mask(sched: PullScheduler) -> tuple[int, int]:
     mask = orphaned = sched.movable = 0
     wanted = sched.full & ~sched.have
     sched.ending = bool(wanted) and not wanted & ~_held_by(sched.links)  # the seeder is done with us: every
-    #   chunk we miss is at a partner, and no pipeline grows any more, so every partner holding one helps
-    draining = sum(1 for lk in sched.links.values() if lk.rank != SEEDER and lk.complete) > 1  # the end: a
-    #   complete planned source is one holder among others, each asked for its whole window
+    #   chunk we miss is at a partner (always so once one holds every chunk: the drain), and no pipeline grows
+    #   any more, so every stripe is helped, every partner holding one chunk of it with its whole window
     for s, rank in enumerate(sched.plan):
         src = sched.links.get(rank) if rank is not None else None
         in_stripe = sched.in_stripe[s]
@@ -607,7 +604,7 @@ def _help_mask(sched: PullScheduler) -> tuple[int, int]:
             slow = (rank in sched.slow and not sched.full & ~(sched.have | in_stripe)) or src.starved or \
                 (src.rate > 0 and bool(rates) and src.rate < SLOW_LINK * _median(rates))
             # lagging: it lacks what others hold, it is slow, or it holds more than we keep up with
-            lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow or (src.complete and draining) or \
+            lagging = lacks > max(LAG_CHUNKS, 2 * src.window) or slow or \
                 (missing & src.holds & ~sched.inflight).bit_count() > 2 * src.window
             # parked for a while at a source that still lacks them, though partners hold them: its
             # window waits on holes it must fill first, so they are taken from the partners

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import topology as _topo
-from .endpoint import REVIEW_INTERVAL
+from .endpoint import YOUNG_REVIEW_INTERVAL
 from .tracker import PROBE_BYTES, PROBE_MIN_TIME, SLOW_EVIDENCE, SLOW_FRACTION
 
 DEFAULT_BUDGET = 200_000  # simulated chunk deliveries before coarsening
@@ -251,7 +251,7 @@ def _detection(k: int, chunk: int, r: float) -> float:
     reviews."""
     if PROBE_BYTES / r >= PROBE_MIN_TIME:
         return 2 * PROBE_BYTES / r
-    return k * chunk / r + SLOW_EVIDENCE * REVIEW_INTERVAL / 2  # reviewed twice as often while young
+    return k * chunk / r + SLOW_EVIDENCE * YOUNG_REVIEW_INTERVAL  # a joiner is reviewed as often as it reports
 
 
 def _with_failures(nodes, size, uplink, chunk, topo, rate, latency, window, budget, dead, t0) -> Result:

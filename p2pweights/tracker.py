@@ -451,6 +451,7 @@ class Tracker:
             return []
         up = self.judged = self.uplinks()
         ordered = sorted(up.values())  # once: each host's reference is their median without it
+        now, clears = self.clock(), PROBE_CLEARS * self.probe_median()  # a young host probed this fast is not judged
         demoted = []
         for r, rate in up.items():
             m = self.members.get(r)
@@ -461,8 +462,8 @@ class Tracker:
                 m.slow_seen = 0
                 continue
             ref = median_without(ordered, rate)
-            cleared = 0 < PROBE_CLEARS * self.probe_median() <= m.probe and self.clock() - m.joined < YOUNG
-            m.slow_seen = m.slow_seen + 1 if rate < SLOW_FRACTION * ref and not cleared else 0
+            slow = rate < SLOW_FRACTION * ref and not (0 < clears <= m.probe and now - m.joined < YOUNG)
+            m.slow_seen = m.slow_seen + 1 if slow else 0
             if m.slow_seen >= SLOW_EVIDENCE:
                 self._demote(m)
                 demoted.append(r)

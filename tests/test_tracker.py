@@ -1,10 +1,12 @@
 """Tracker membership as pure state: placement, leaving, repair after deaths, restarts."""
+import time
+
 from p2pweights.topology import Binomial, make
 from p2pweights.tracker import Tracker
 
 
-def tracker_with(n, topology="binomial"):
-    t = Tracker(make(topology), "")
+def tracker_with(n, topology="binomial", clock=time.monotonic):
+    t = Tracker(make(topology), "", clock=clock)
     for i in range(1, n + 1):
         t.join(f"p{i}", f"10.0.0.{i}:7000")
     return t
@@ -30,9 +32,7 @@ def test_a_peer_leaves_only_when_nobody_depends_on_it():
 
 def test_a_done_peer_waits_to_leave_for_an_unfinished_partner_it_still_hears_from():
     clock = [0.0]
-    t = Tracker(make("forest:2"), "", clock=lambda: clock[0])
-    for i in range(1, 9):
-        t.join(f"p{i}", f"10.0.0.{i}:7000")
+    t = tracker_with(8, "forest:2", clock=lambda: clock[0])
     leaver, partner = next((r, p) for r in range(1, 9) for p in t.members[r].partners if p not in t.dependents(r))
     for r in t.members:
         if r != partner:
@@ -46,9 +46,7 @@ def test_a_done_peer_waits_for_an_unfinished_partner_a_quarter_of_its_download_s
     from p2pweights.tracker import PARTNER_LINGER
 
     clock = [0.0]
-    t = Tracker(make("forest:2"), "", clock=lambda: clock[0])
-    for i in range(1, 9):
-        t.join(f"p{i}", f"10.0.0.{i}:7000")
+    t = tracker_with(8, "forest:2", clock=lambda: clock[0])
     leaver, partner = next((r, p) for r in range(1, 9) for p in t.members[r].partners if p not in t.dependents(r))
     clock[0] = 8.0  # an 8 s download
     for r in t.members:
@@ -89,10 +87,16 @@ def test_restarted_tracker_takes_peers_back_at_their_old_ranks():
 
 
 def forest_tracker(n, k=2):
-    t = Tracker(make(f"forest:{k}"), "")
-    for i in range(1, n + 1):
-        t.join(f"p{i}", f"10.0.0.{i}:7000")
-    return t
+    return tracker_with(n, f"forest:{k}")
+
+
+def report_slow_forwarder(t, n=8):
+    """A forwarder with children in ``t``'s forest, which everyone reports at 10 MB/s (40 the others)."""
+    f = t.topology
+    slow = next(r for r in range(1, n + 1) if f.kids[f.group[r]][r])
+    for m in t.members.values():  # everyone reports what each partner and parent delivers
+        m.rates = {p: (10e6 if p == slow else 40e6) for p in set(m.parents) | set(m.partners) if p}
+    return slow
 
 
 def test_forest_plan_every_peer_forwards_in_one_stripe_and_the_seeder_sends_each_chunk_once():
@@ -130,13 +134,9 @@ def test_forest_a_dead_forwarder_s_children_are_re_placed_and_told():
 
 def test_forest_slow_host_is_demoted_to_a_leaf_from_its_partners_reports():
     clock = [0.0]
-    t = Tracker(make("forest:2"), "", clock=lambda: clock[0])
-    for i in range(1, 9):
-        t.join(f"p{i}", f"10.0.0.{i}:7000")
+    t = tracker_with(8, "forest:2", clock=lambda: clock[0])
     f = t.topology
-    slow = next(r for r in range(1, 9) if f.kids[f.group[r]][r])  # a forwarder with children
-    for r, m in t.members.items():  # everyone reports what each partner and parent delivers
-        m.rates = {p: (10e6 if p == slow else 40e6) for p in set(m.parents) | set(m.partners) if p}
+    slow = report_slow_forwarder(t)
     from p2pweights.tracker import SLOW_EVIDENCE
 
     for _ in range(SLOW_EVIDENCE - 1):
@@ -155,15 +155,10 @@ def test_a_joiner_whose_probe_ran_fast_is_not_demoted_by_its_first_rates():
 
     for probe, demoted_young in ((50e6, False), (12e6, True)):
         clock = [0.0]
-        t = Tracker(make("forest:2"), "", clock=lambda: clock[0])
-        for i in range(1, 9):
-            t.join(f"p{i}", f"10.0.0.{i}:7000")
-        f = t.topology
-        slow = next(r for r in range(1, 9) if f.kids[f.group[r]][r])
+        t = tracker_with(8, "forest:2", clock=lambda: clock[0])
+        slow = report_slow_forwarder(t)
         for r in range(1, 9):
             t.probed(r, probe if r == slow else 50e6, long=False)  # short probes: they judge nobody
-        for r, m in t.members.items():
-            m.rates = {p: (10e6 if p == slow else 40e6) for p in set(m.parents) | set(m.partners) if p}
         found = [t.slow_hosts() for _ in range(SLOW_EVIDENCE)][-1]
         assert found == ([slow] if demoted_young else [])
         if not demoted_young:
@@ -174,9 +169,7 @@ def test_a_joiner_whose_probe_ran_fast_is_not_demoted_by_its_first_rates():
 def forest_with_reports(rate, delivered, n=8):
     """A forest:2 fleet of ``n`` and a forwarder ``x`` in it; every member reports ``rate(p, m)``
     (while asked) and ``delivered(p, m)`` (bytes/s lately) of each parent and partner ``p``."""
-    t = Tracker(make("forest:2"), "", clock=lambda: 0.0)
-    for i in range(1, n + 1):
-        t.join(f"p{i}", f"10.0.0.{i}:7000")
+    t = tracker_with(n, "forest:2", clock=lambda: 0.0)
     f = t.topology
     x = next(r for r in range(1, n + 1) if f.kids[f.group[r]][r])
     for m in t.members.values():
