@@ -13,8 +13,8 @@ every case, every p2pw plan and libtorrent run in the same invocation, runs
 interleaved (the order of the tools alternates between repeats), and the tables
 show medians of ``--repeat`` runs.  ``bench/fleet.py`` does one run:
 
-* time = from launching the N receiver processes (``python -m p2pweights join
-  --parent H0 --out DIR``, default flags; imports included) to the LAST one
+* time = from launching the N receiver processes (``p2pw join --parent H0
+  --out DIR``, the venv's console script, default flags; imports included) to the LAST one
   exiting 0; t/floor divides by floor = S / B (S the checkpoint's file bytes,
   B the configured uplink rate; TCP through htb gets 0.956 of B, so 1.05 is the
   best a run can show).  Every copy is compared byte for byte with the source;
