@@ -27,6 +27,13 @@ def assert_one_line_error(r, needle):
     assert needle in lines[0], lines[0]
 
 
+def test_an_unknown_command_names_every_command():
+    r = run("bogus")
+    assert r.returncode == 2 and "invalid choice: 'bogus'" in r.stderr
+    for command in ("seed", "join", "status", "cache", "pack", "keygen", "manifest", "verify", "demo", "simulate"):
+        assert f"'{command}'" in r.stderr
+
+
 def test_seed_missing_path(tmp_path):
     assert_one_line_error(run("seed", tmp_path / "nope", "--port", "0"), "no such file or directory")
 

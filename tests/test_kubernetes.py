@@ -46,7 +46,7 @@ def p2pw_args(container: dict):
     argv = [*container.get("command", []), *container.get("args", [])]
     if not argv or argv[0] != "p2pw":
         return None
-    return parser().parse_args(argv[1:])
+    return parser(argv[1:]).parse_args(argv[1:])  # as p2pw's main builds it: that command's subparser only
 
 
 def containers(workload: dict) -> list[dict]:
