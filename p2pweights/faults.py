@@ -20,26 +20,20 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass
 
 from .errors import UserError
 
 log = logging.getLogger("p2pw")
 
 
-@dataclass
 class Faults:
-    """What to do wrong, and how often."""
+    """What to do wrong, and how often (``forger``: a forgery.Forger, from P2PW_FAULT_FORGE)."""
 
-    corrupt: float = 0.0
-    drop: float = 0.0
-    delay_send: float = 0.0
-    delay_recv: float = 0.0
-    seed: int | None = None
-    forger: object = None  # a forgery.Forger, from P2PW_FAULT_FORGE
-
-    def __post_init__(self):
-        self.rng = random.Random(self.seed)
+    def __init__(self, corrupt: float = 0.0, drop: float = 0.0, delay_send: float = 0.0, delay_recv: float = 0.0,
+                 seed: int | None = None, forger=None):
+        self.corrupt, self.drop, self.delay_send, self.delay_recv = corrupt, drop, delay_send, delay_recv
+        self.seed, self.forger = seed, forger
+        self.rng = random.Random(seed)
 
     def outgoing(self, index: int, data):
         """The bytes to send for chunk ``index`` (maybe forged or corrupted), or None to drop it."""

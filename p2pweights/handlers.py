@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import struct
-from dataclasses import dataclass
 
 import zmq
 
@@ -303,12 +302,13 @@ class Handlers:
         return member or f"unknown peer {ident.hex()[:10]}"
 
 
-@dataclass
 class Child:
     """A partner attached to this node to pull from it."""
 
-    peer_id: str
-    rank: int
+    __slots__ = ("peer_id", "rank")
+
+    def __init__(self, peer_id: str, rank: int):
+        self.peer_id, self.rank = peer_id, rank
 
 
 def _child(f: dict) -> Child:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import struct
 
@@ -42,8 +42,7 @@ class LinkRefused(ConnectionError):
     """The other side refused this link at the ZeroMQ (CURVE) handshake."""
 
 
-@dataclass(frozen=True)
-class FleetKey:
+class FleetKey(NamedTuple):
     """The fleet key pair (z85) and the public keys allowed to connect."""
 
     public: bytes

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 
 import xxhash
 from .errors import UserError
@@ -83,18 +82,17 @@ def check_model_id(text: str) -> str:
     return text
 
 
-@dataclass
 class Manifest:
-    """One checkpoint as a blob of fixed-size chunks."""
+    """One checkpoint as a blob of fixed-size chunks; ``origin``: {repo, commit, revision} of a Hugging
+    Face snapshot, None for plain files."""
 
-    total_size: int
-    chunk_size: int
-    chunks: list[str]
-    files: list[dict] = field(default_factory=list)
-    tensors: list[dict] = field(default_factory=list)
-    hash: str = "xxh3_64"
-    version: int = VERSION
-    origin: dict | None = None  # {repo, commit, revision} of a Hugging Face snapshot; None for plain files
+    def __init__(self, total_size: int, chunk_size: int, chunks: list[str], files: list[dict] | None = None,
+                 tensors: list[dict] | None = None, hash: str = "xxh3_64", version: int = VERSION,
+                 origin: dict | None = None):
+        self.total_size, self.chunk_size, self.chunks = total_size, chunk_size, chunks
+        self.files = [] if files is None else files
+        self.tensors = [] if tensors is None else tensors
+        self.hash, self.version, self.origin = hash, version, origin
 
     @property
     def n_chunks(self) -> int:

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
 
 from .cache import STATE_DIR, copy_paths, marker_matches, write_atomically, write_text_atomically
 from .errors import UserError
@@ -68,20 +67,19 @@ def parse_size(text: str) -> int:
 # ----- pure policies ------------------------------------------------------------------------------
 
 
-@dataclass
 class Entry:
-    """One copy of a model, as the eviction policy sees it."""
+    """One copy of a model, as the eviction policy sees it: ``uses``, the wall-clock times it was
+    fetched, joined or seeded; ``fetch_seconds``, how long fetching it took, when measured; ``owned``:
+    under models/ (only those count towards the size and may be evicted); ``layout``: "files", or
+    "hf" (a hub cache repo folder, --hf-cache)."""
 
-    model_id: str
-    bytes: int
-    uses: list[float] = field(default_factory=list)  # wall-clock times it was fetched, joined or seeded
-    fetch_seconds: float | None = None  # how long fetching it took, when measured
-    complete: bool = True
-    in_use: bool = False
-    owned: bool = True  # under models/ (only those count towards the size and may be evicted)
-    path: str = ""
-    name: str = ""
-    layout: str = "files"  # or "hf": a hub cache repo folder (--hf-cache)
+    def __init__(self, model_id: str, bytes: int, uses: list[float] | None = None, fetch_seconds: float | None = None,
+                 complete: bool = True, in_use: bool = False, owned: bool = True, path: str = "", name: str = "",
+                 layout: str = "files"):
+        self.model_id, self.bytes = model_id, bytes
+        self.uses = [] if uses is None else uses
+        self.fetch_seconds, self.complete, self.in_use, self.owned = fetch_seconds, complete, in_use, owned
+        self.path, self.name, self.layout = path, name, layout
 
 
 class EvictionPolicy:

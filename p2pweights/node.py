@@ -19,7 +19,6 @@ import random
 import struct
 import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 
@@ -46,22 +45,16 @@ SEND_BUDGET = 256  # chunks handed to ZeroMQ per loop turn
 ROUTER_MAX_MSG = 1 << 20
 
 
-@dataclass
 class Stats:
-    """Counters a node reports."""
+    """Counters a node reports: ``bytes_received`` counts chunk bytes received into the store (verified
+    or not), ``switches`` chunks taken from a partner other than the planned source; ``arrivals``
+    (traced joins): (clock, chunk, from rank, planned rank) per verified chunk."""
 
-    chunks_sent: int = 0
-    bytes_sent: int = 0
-    chunks_received: int = 0
-    bytes_received: int = 0  # chunk bytes received into the store (verified or not)
-    bad_chunks: int = 0
-    duplicates: int = 0
-    malformed: int = 0
-    stalled: int = 0
-    reparented: int = 0
-    resumed: int = 0
-    switches: int = 0  # chunks taken from a partner other than the planned source
-    arrivals: list | None = None  # traced joins: (clock, chunk, from rank, planned rank) per verified chunk
+    def __init__(self):
+        self.chunks_sent = self.bytes_sent = self.chunks_received = self.bytes_received = 0
+        self.bad_chunks = self.duplicates = self.malformed = self.stalled = 0
+        self.reparented = self.resumed = self.switches = 0
+        self.arrivals: list | None = None
 
     @property
     def refetched(self) -> int:

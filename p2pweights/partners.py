@@ -11,7 +11,6 @@ A planned source given up is reported to the tracker, which names another.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import zmq
 
@@ -28,18 +27,14 @@ def tcp(addr: str) -> str:
     return addr if "://" in addr else f"tcp://{addr}"
 
 
-@dataclass
 class PartnerLink:
-    """This peer's DEALER to one partner it pulls from."""
+    """This peer's DEALER to one partner it pulls from; ``monitor``: EVENT_DISCONNECTED of ``socket``
+    (not on the seeder's link)."""
 
-    rank: int
-    addr: str
-    socket: zmq.Socket
-    conn: Connection
-    last_heard: float
-    last_chunk: float
-    orphan_sent: float = 0.0
-    monitor: zmq.Socket | None = None  # EVENT_DISCONNECTED of ``socket`` (not on the seeder's link)
+    def __init__(self, rank: int, addr: str, socket: zmq.Socket, conn: Connection, last_heard: float,
+                 last_chunk: float, orphan_sent: float = 0.0, monitor: zmq.Socket | None = None):
+        self.rank, self.addr, self.socket, self.conn = rank, addr, socket, conn
+        self.last_heard, self.last_chunk, self.orphan_sent, self.monitor = last_heard, last_chunk, orphan_sent, monitor
 
 
 class Partners:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass, field
 from enum import IntEnum
 
 from .chunkset import bitset
@@ -103,14 +102,16 @@ PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1, Msg.ATTACHED: 1, Msg.STATUS_REPL
 INDEX_LISTS = (Msg.REQUEST, Msg.HAVE, Msg.CANCEL)  # bodies of u32 chunk indices
 
 
-@dataclass
 class Event:
     """One decoded message: its type, JSON fields (or chunk indices), and payload frame if any."""
 
-    type: Msg
-    fields: dict = field(default_factory=dict)
-    indices: list[int] = field(default_factory=list)
-    payload: object = None
+    __slots__ = ("type", "fields", "indices", "payload")
+
+    def __init__(self, type: Msg, fields: dict | None = None, indices: list[int] | None = None, payload=None):
+        self.type = type
+        self.fields = {} if fields is None else fields
+        self.indices = [] if indices is None else indices
+        self.payload = payload
 
 
 def _header(kind: Msg) -> bytes:

@@ -57,7 +57,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
 
 from .chunkset import bitset, bitset_of, indices_of, lowest_of, stripe_mask
 
@@ -91,27 +90,25 @@ SEEDER = 0  # rank of the seeder: serves beyond its planned stripes only what no
 #             so its uplink carries each chunk about once
 
 
-@dataclass
 class Link:
     """What this peer knows of one partner: holdings, requests, measured rate."""
 
-    rank: int
-    n_chunks: int
-    window: int = DEFAULT_WINDOW
-    holds: int | None = None  # bitset of the chunks it holds; None until its bitfield arrives
-    held: int = 0  # how many chunks it holds
-    outstanding: dict[int, float] = field(default_factory=dict)  # chunk -> when asked
-    rate: float = 0.0  # bytes/s while it had requests to serve: ``carried`` over ``busy``
-    carried: float = 0.0  # bytes it delivered, each weighted by how recent (in time asked) it is
-    busy: float = 0.0  # seconds it had requests to serve, weighted alike
-    last_arrival: float = 0.0
-    received: int = 0  # bytes that verified
-    bad: int = 0  # chunks that failed verification
-    helping: set[int] = field(default_factory=set)  # chunks asked of it to help a lagging stripe
-    unparked: set[int] = field(default_factory=set)  # parked chunks its HAVE named: timed from that HAVE
-    withdrawn: set[int] = field(default_factory=set)  # chunks cancelled there; a copy already on its way is taken
-    opened: float = 0.0  # when the link was added (attaching since then until its bitfield arrives)
-    starved: bool = False  # its requests stalled and nothing arrived since: its stripes are helped
+    def __init__(self, rank: int, n_chunks: int, window: int = DEFAULT_WINDOW, opened: float = 0.0):
+        self.rank, self.n_chunks, self.window = rank, n_chunks, window
+        self.holds: int | None = None  # bitset of the chunks it holds; None until its bitfield arrives
+        self.held = 0  # how many chunks it holds
+        self.outstanding: dict[int, float] = {}  # chunk -> when asked
+        self.rate = 0.0  # bytes/s while it had requests to serve: ``carried`` over ``busy``
+        self.carried = 0.0  # bytes it delivered, each weighted by how recent (in time asked) it is
+        self.busy = 0.0  # seconds it had requests to serve, weighted alike
+        self.last_arrival = 0.0
+        self.received = 0  # bytes that verified
+        self.bad = 0  # chunks that failed verification
+        self.helping: set[int] = set()  # chunks asked of it to help a lagging stripe
+        self.unparked: set[int] = set()  # parked chunks its HAVE named: timed from that HAVE
+        self.withdrawn: set[int] = set()  # chunks cancelled there; a copy already on its way is taken
+        self.opened = opened  # when the link was added (attaching since then until its bitfield arrives)
+        self.starved = False  # its requests stalled and nothing arrived since: its stripes are helped
 
     @property
     def ready(self) -> bool:
