@@ -43,7 +43,6 @@ class TrackerEndpoint:
         self.members: dict[bytes, int] = {}  # ident -> rank
         self.out: list[tuple[bytes, list]] = []
         self.next_review = 0.0
-        self.last_join = float("-inf")  # when the latest joiner was placed
         self.fleet: fleet.Fleet = fleet.snapshot(tracker, manifest)  # read by other threads: replaced, never changed
         self.fleet_frame: bytes | None = None  # the STATUS_REPLY payload of ``fleet``, encoded on first ask
         self.changed, self.snapshot_at, self.snapshot_cost = False, clock(), 0.0
@@ -83,7 +82,7 @@ class TrackerEndpoint:
             self._send(ident, protocol.control(Msg.ERROR, message=str(e), fatal=True))
             return False
         self.members[ident] = member.rank
-        self.changed, self.last_join = True, self.clock()
+        self.changed = True
         log.info("peer %s joined as rank %d under %s", f["peer_id"], member.rank,
                  ", ".join(f"rank {p}" for p in member.parents))
         self._send(ident, protocol.control(
@@ -215,7 +214,7 @@ class TrackerEndpoint:
         now = self.clock()
         if now < self.next_review:
             return
-        self.next_review = now + (YOUNG_REVIEW_INTERVAL if now - self.last_join < YOUNG else REVIEW_INTERVAL)
+        self.next_review = now + (YOUNG_REVIEW_INTERVAL if now - self.tracker.last_join < YOUNG else REVIEW_INTERVAL)
         demoted = self.tracker.slow_hosts(self.manifest.n_chunks)
         up = self.tracker.judged  # what they were judged on (before their moves), for the log
         for rank in demoted:

@@ -36,7 +36,9 @@ log = logging.getLogger("p2pw")
 MAX_WINDOW = MAX_PARKED  # most requests a partner may have waiting here
 MAX_CHILDREN = 64  # partners one node serves at once; more are refused at ATTACH
 TIMER_INTERVAL = 0.02  # the loop looks at its timers at most this often
-HEARTBEAT_INTERVAL = 0.5  # to partners we serve, and peers <-> tracker (half that while YOUNG)
+HEARTBEAT_INTERVAL = 0.5  # to partners we serve, and peers <-> tracker
+YOUNG_HEARTBEAT_INTERVAL = HEARTBEAT_INTERVAL / 2  # within ``protocol.YOUNG`` of joining (the tracker reviews
+#                                                   as often then: endpoint.YOUNG_REVIEW_INTERVAL)
 PARENT_TIMEOUT = 5.0  # a partner silent this long is given up (configurable)
 TRACKER_TIMEOUT = 10.0  # a tracker silent this long is re-introduced to (it may have restarted)
 IDLE_FORGET = 60.0  # a quiet connection that is neither partner nor member is forgotten after this long
@@ -72,9 +74,9 @@ class Node:
                  hello: dict | None = None, give_up_after: float = GIVE_UP_AFTER, clock=time.monotonic):
         self.ctx, self.router, self.manifest, self.store = ctx, router, manifest, store
         self.model_id = manifest.model_id
-        self.peer_id, self.key, self.clock, self.young_until = peer_id, key, clock, clock() + YOUNG  # (heartbeats)
+        self.peer_id, self.key, self.clock = peer_id, key, clock
         self.max_children, self.parent_timeout, self.tracker_timeout = max_children, parent_timeout, tracker_timeout
-        self.give_up_after = give_up_after
+        self.give_up_after, self.young_until = give_up_after, clock() + YOUNG  # (sooner heartbeats until then)
         self.hello_fields = hello or {}  # what we told the tracker when joining, repeated if it restarts
         self.member: Membership | None = None  # a peer's tracker link (attach_tracker)
         self.digest = chunk_hasher(manifest.hash)
@@ -236,7 +238,7 @@ class Node:
             return
         self.next_timers = now + TIMER_INTERVAL
         if now >= self.next_heartbeat:
-            self.next_heartbeat = now + HEARTBEAT_INTERVAL / (2 if now < self.young_until else 1)
+            self.next_heartbeat = now + (YOUNG_HEARTBEAT_INTERVAL if now < self.young_until else HEARTBEAT_INTERVAL)
             self._heartbeat(now)
         if self.endpoint is not None:
             self.endpoint.review()

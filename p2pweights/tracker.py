@@ -232,7 +232,7 @@ class Tracker:
         self.topology = topology
         self.root_listen = root_listen
         self.max_peers = max_peers
-        self.clock = clock
+        self.clock, self.last_join = clock, float("-inf")  # when a peer last (re-)joined: reviews come sooner
         self.members: dict[int, Member] = {}
         self.by_peer_id: dict[str, int] = {}
         self.placed = hasattr(topology, "place")  # a stateful plan (Forest), not a rule of the rank
@@ -261,14 +261,14 @@ class Tracker:
             moves = self.topology.place(known) if self.placed and was_left else []
             self.pullers.assign(m, self._place(known))
             self._note(moves)
-            m.seen = self.clock()
+            m.seen = self.last_join = self.clock()
             return m
         if len(self.roster.live) >= self.max_peers:
             raise TrackerError(f"tracker is full ({self.max_peers} peers)")
         if rank is None or rank < 1 or rank in self.members:
             rank = self.roster.top + 1
-        m = Member(rank, peer_id, listen, [], joined=self.clock(), seen=self.clock())
-        self.members[rank] = m
+        self.last_join = now = self.clock()
+        self.members[rank] = m = Member(rank, peer_id, listen, [], joined=now, seen=now)
         self.roster.arrive(m)
         self.by_peer_id[peer_id] = rank
         moves = self.topology.place(rank) if self.placed else []
