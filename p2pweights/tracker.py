@@ -166,6 +166,18 @@ class Roster:
                 told += self._link(m.rank, r)
         return told
 
+    def lend(self, m: Member, k: int = PARTNERS) -> list[int]:
+        """``m`` holds every chunk now: make it a partner of up to ``k`` live peers furthest behind
+        (fewest chunks, among a sample) that it does not partner yet, so the last to finish take
+        their backlog from every finished uplink, not only from the few partners given at their
+        join (it waits to leave for them: ``Tracker.leave``); returns the ranks to tell."""
+        unfinished = [r for r in _sample(self.rng, self.live, 4 * k, {m.rank, *m.partners},
+                                         lambda r: self.members[r].done) if not self.members[r].done]
+        told = []
+        for r in sorted(unfinished, key=lambda r: (self.members[r].have, r))[:k]:
+            told += self._link(m.rank, r)
+        return told
+
     def _link(self, a: int, b: int) -> list[int]:
         told = []
         for x, y in ((a, b), (b, a)):
@@ -301,9 +313,8 @@ class Tracker:
     def adoptions(self, member: Member) -> list[Member]:
         """Move peers under the newcomer ``member`` where the topology says so (``adopts``).
 
-        Updates their parents here and returns them; each must be sent a
-        REPARENT with its new parent list.  Done or departed peers stay put.
-        """
+        Updates their parents here and returns them; each must be sent a REPARENT with its new
+        parent list.  Done or departed peers stay put."""
         adopts = getattr(self.topology, "adopts", None)
         if adopts is None or member.left:
             return []
@@ -346,6 +357,7 @@ class Tracker:
         m = self._member(rank)
         m.done, m.seconds, m.done_at = True, seconds, self.clock()
         self.pullers.stop(m)
+        self.moved.extend(self.roster.lend(m) if self.placed else ())  # its uplink to the peers furthest behind
 
     def dependents(self, rank: int) -> list[int]:
         """Unfinished peers that pull from ``rank`` in some stripe."""

@@ -184,6 +184,7 @@ def test_a_member_waiting_to_leave_is_let_go_when_its_dependent_disconnects(mani
     for r in range(2, 5):
         if r != fed[0]:
             ep.done(f"id{r}".encode(), {})
+    sent(ep)  # (each done peer was lent to the peers furthest behind: they were told, REPARENT)
     ep.leave(b"id1", {})
     assert [e.type for _, e in sent(ep)] == [Msg.LEAVE_WAIT]
     ep.bye(f"id{fed[0]}".encode())  # its connection is gone: nobody depends on rank 1 any more

@@ -111,6 +111,28 @@ def test_forest_plan_every_peer_forwards_in_one_stripe_and_the_seeder_sends_each
     assert {r: m.parents for r, m in t.members.items()} == {r: f.parents(r) for r in range(1, 9)}
 
 
+def test_a_finished_peer_is_lent_to_the_peers_furthest_behind_and_waits_to_leave_for_them():
+    # the last peers to finish took their backlog from the few partners given at their join while
+    # finished uplinks idled: a peer that is done becomes a partner of the live peers with the fewest
+    # chunks (each told, with REPARENT), and waits to leave for them while they are heard from
+    from p2pweights.tracker import PARTNERS
+
+    t = forest_tracker(16)
+    t.take_moved()
+    for r, m in t.members.items():
+        m.have = 100 + r  # rank 1 is the furthest behind, then rank 2, ...
+    done = 16
+    behind = sorted(r for r in range(1, 16) if r not in t.members[done].partners)[:PARTNERS]
+    t.done(done)
+    assert set(t.take_moved()) >= set(behind)
+    for r in behind:
+        assert done in t.members[r].partners and r in t.members[done].partners
+    assert t.leave(done) and not t.members[done].left
+    for r in range(1, 16):
+        t.done(r)
+    assert t.leave(done) == [] and t.members[done].left
+
+
 def test_forest_partners_are_given_both_ways_and_kept_bounded():
     t = forest_tracker(12)
     for r, m in t.members.items():
