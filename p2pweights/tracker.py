@@ -31,7 +31,8 @@ ROOT = 0
 PARTNERS = 4  # partners a joiner is given besides its planned parents
 PARTNER_SILENCE = 3.0  # seconds: a done peer waits to leave for an unfinished partner heard from this lately
 PARTNER_LINGER = 0.25  # and at most this share of its own download's time (its user waits for its exit)
-MAX_PARTNERS = 8  # partners one peer is given in all (newcomers also partner with earlier peers)
+MAX_PARTNERS = 8  # partners one peer is given at joins (newcomers also partner with earlier peers; finished peers lent
+#                   to it at the end, ``Roster.lend``, come on top)
 SLOW_FRACTION = 0.33  # a host delivering below this share of the fleet's median uplink is demoted
 END_SHARE = 0.75  # a forwarder whose planned children all hold this share of the chunks is no longer judged
 SLOW_EVIDENCE = 1  # consecutive rate reviews (one per heartbeat, 0.5 s) that must find a host slow before it is demoted
