@@ -51,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -346,6 +347,30 @@ def compile_package() -> None:
     compileall.compile_dir(os.path.dirname(p2pweights.__file__), quiet=1)
 
 
+def page_cache_cost(directory: str, size: int) -> tuple[float, float]:
+    """CPU seconds per GB to write ``size`` bytes into a new file (512 KiB pwrites, as a join writes --out):
+    first into whatever pages the kernel hands out, then again at once after deleting it (pages just freed).
+
+    On this VM the two differ 10-30x: the hypervisor backs guest memory lazily and takes back pages the
+    guest frees (virtio-balloon free page reporting), so a page-cache page that is new to the host costs a
+    fault in the host on first touch, charged to the writer's CPU.  Every receiver of every tool writes S
+    bytes of new file per run, so this line says how much of the runs' CPU the bed itself charges."""
+    block = os.urandom(512 << 10)
+    costs = []
+    for _ in range(2):
+        path = os.path.join(directory, "page-cache-probe")
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        try:
+            t0 = time.process_time()
+            for at in range(0, size, len(block)):
+                os.pwrite(fd, block, at)
+            costs.append((time.process_time() - t0) / (size / 1e9))
+        finally:
+            os.close(fd)
+            os.unlink(path)
+    return costs[0], costs[1]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     ok, why = Testbed.available()
@@ -367,6 +392,7 @@ def main(argv=None) -> int:
     ncpu = os.cpu_count() or 1
     summaries, raw, failed = [], [], 0
     with tempfile.TemporaryDirectory(prefix="p2pw-bcast-") as work:
+        touch = page_cache_cost(work, args.size)
         model = f"{work}/model"
         write_synthetic_model(model, size_mb=args.size / (1 << 20), shards=2)
         size = sum(fleet.source_files(model).values())
@@ -379,7 +405,8 @@ def main(argv=None) -> int:
                  f"{'of ' + str(args.chunk_size >> 10) + ' KiB' if args.chunk_size else 'at the seeder default'}, "
                  f"libtorrent pieces of {args.piece_size >> 10} KiB ({'TCP+uTP' if args.bt_utp else 'TCP only'}), "
                  f"medians of {args.repeat} run(s), {ncpu} CPUs; {_versions()}; the default plan is "
-                 f"{default_plan() or 'unknown'}")
+                 f"{default_plan() or 'unknown'}; writing a new file costs {touch[0]:.2f} CPU s/GB here "
+                 f"({touch[1]:.2f} into pages just freed)")
         print(f"# broadcast: {intro}", file=sys.stderr, flush=True)
         for n in args.peers:
             try:
@@ -408,7 +435,8 @@ def main(argv=None) -> int:
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.md).write_text(f"# Broadcast on emulated hosts\n\n`{cmd.strip()}` ({when})\n\n{text}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"summaries": summaries, "runs": raw}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"summaries": summaries, "runs": raw, "page_cache_cpu_per_gb": touch},
+                                              indent=1, default=str))
     return 1 if failed else 0
 
 
