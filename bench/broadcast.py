@@ -333,20 +333,6 @@ def run_n(n: int, args, model: str, torrent: str | None, work: str, size: int) -
     return runs, failed
 
 
-def compile_package() -> None:
-    """Byte-compile the p2pweights package the joins will import, as pip does when it installs one.
-
-    Without it, a module whose ``__pycache__`` entry is stale or missing (a fresh worktree of
-    ``bench/ab.py``, an edited file under ``PYTHONDONTWRITEBYTECODE``, which this dev shell sets) is
-    compiled by every join at its start: 25-35 ms of CPU each for the whole package, paid by eight
-    joins at once on 2 cores, which no user's installed copy pays."""
-    import compileall
-
-    import p2pweights
-
-    compileall.compile_dir(os.path.dirname(p2pweights.__file__), quiet=1)
-
-
 def page_cache_cost(directory: str, size: int) -> tuple[float, float]:
     """CPU seconds per GB to write ``size`` bytes into a new file (512 KiB pwrites, as a join writes --out):
     first into whatever pages the kernel hands out, then again at once after deleting it (pages just freed).
@@ -388,7 +374,6 @@ def main(argv=None) -> int:
         print(f"broadcast: --slow-hosts {args.slow_hosts} beyond N = {min(args.peers)}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _sigterm)
-    compile_package()
     ncpu = os.cpu_count() or 1
     summaries, raw, failed = [], [], 0
     with tempfile.TemporaryDirectory(prefix="p2pw-bcast-") as work:
