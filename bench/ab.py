@@ -11,9 +11,11 @@ its package first on the path; the seeder's log names each run's demotions.
 
     sudo .venv/bin/python bench/ab.py --pairs 4 -- --rate 400 --cases slow2
 
-prints one line per run (t/floor of each case, CPU busy, the hosts made leaves
-and when) and, per case, both sides' medians and in how many pairs B was
-faster.  Needs root, as ``bench/broadcast.py`` does.
+prints one line per run (t/floor of each case, CPU busy, CPU s/GB/peer, the
+hosts made leaves and when, what a new file cost the bed at the run's start)
+and, per case, both sides' medians and in how many pairs B was faster, then
+the same for CPU: where the cores are the bound, a change's CPU reads through
+noise that its time does not.  Needs root, as ``bench/broadcast.py`` does.
 """
 from __future__ import annotations
 
@@ -63,14 +65,16 @@ def run_side(tree: Path, bench_args: list[str], out: Path) -> dict:
 
 
 def summarize(doc: dict) -> dict:
-    """What one ``bench/broadcast.py --json`` file says, per case: t/floor, busy, demotions (host @ s)."""
+    """What one ``bench/broadcast.py --json`` file says, per case: t/floor, busy, CPU s/GB/peer, demotions
+    (host @ s); and what a new file cost the bed then (``page_cache_cpu_per_gb``, fresh pages first)."""
     cases = {}
     for s in doc["summaries"]:
         if s.get("ratio") is None:
             continue
         leaves = [f"h{h} @ {t:.1f}" for run in s.get("demoted") or [] for h, t in run]
-        cases[f"{s['case']} N={s['n']}"] = {"ratio": s["ratio"], "busy": s.get("busy"), "leaves": leaves}
-    return {"cases": cases}
+        cases[f"{s['case']} N={s['n']}"] = {"ratio": s["ratio"], "busy": s.get("busy"), "cpu": s.get("cpu_per_gb"),
+                                            "leaves": leaves}
+    return {"cases": cases, "new_file": (doc.get("page_cache_cpu_per_gb") or [None])[0]}
 
 
 def compare(pairs: list[tuple[dict, dict]]) -> list[str]:
@@ -84,18 +88,26 @@ def compare(pairs: list[tuple[dict, dict]]) -> list[str]:
             continue
         bs, as_ = [x for x, _ in both], [y for _, y in both]
         wins = sum(x < y for x, y in both)
-        lines.append(f"{case}: B median {statistics.median(bs):.3f} ({min(bs):.3f}-{max(bs):.3f}), "
-                     f"A median {statistics.median(as_):.3f} ({min(as_):.3f}-{max(as_):.3f}), "
-                     f"B faster in {wins} of {len(both)} pairs")
+        line = (f"{case}: B median {statistics.median(bs):.3f} ({min(bs):.3f}-{max(bs):.3f}), "
+                f"A median {statistics.median(as_):.3f} ({min(as_):.3f}-{max(as_):.3f}), "
+                f"B faster in {wins} of {len(both)} pairs")
+        cpu = [(b["cases"][case].get("cpu"), a["cases"][case].get("cpu")) for b, a in pairs
+               if case in (b.get("cases") or {}) and case in (a.get("cases") or {})]
+        if cpu and all(x is not None and y is not None for x, y in cpu):  # a CPU change shows here first
+            line += (f"; CPU s/GB/peer B {statistics.median(x for x, _ in cpu):.2f}, "
+                     f"A {statistics.median(y for _, y in cpu):.2f}, B less in {sum(x < y for x, y in cpu)} of {len(cpu)}")
+        lines.append(line)
     return lines
 
 
 def _line(i: int, side: str, res: dict) -> str:
     if "error" in res:
         return f"[{i}] {side} FAILED: {res['error']}"
-    cells = [f"{c} {v['ratio']:.3f} busy {v['busy'] or 0:.0%} leaves {', '.join(v['leaves']) or 'none'}"
-             for c, v in res["cases"].items()]
-    return f"[{i}] {side} " + "; ".join(cells)
+    cells = [f"{c} {v['ratio']:.3f} busy {v['busy'] or 0:.0%}"
+             + (f" cpu {v['cpu']:.2f}" if v.get("cpu") is not None else "")
+             + f" leaves {', '.join(v['leaves']) or 'none'}" for c, v in res["cases"].items()]
+    fresh = res.get("new_file")
+    return f"[{i}] {side} " + "; ".join(cells) + (f" (new file {fresh:.2f} CPU s/GB)" if fresh is not None else "")
 
 
 def _sigterm(*_):
