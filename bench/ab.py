@@ -11,8 +11,8 @@ its package first on the path; the seeder's log names each run's demotions.
 
     sudo .venv/bin/python bench/ab.py --pairs 4 -- --rate 400 --cases slow2
 
-prints one line per run (t/floor of each case, CPU busy, CPU s/GB/peer, the
-hosts made leaves and when, what a new file cost the bed at the run's start)
+prints one line per run (t/floor of each case, CPU busy, CPU s/GB/peer and
+the part spent writing the copy, the hosts made leaves and when)
 and, per case, both sides' medians and in how many pairs B was faster, then
 the same for CPU: where the cores are the bound, a change's CPU reads through
 noise that its time does not.  Needs root, as ``bench/broadcast.py`` does.
@@ -65,16 +65,16 @@ def run_side(tree: Path, bench_args: list[str], out: Path) -> dict:
 
 
 def summarize(doc: dict) -> dict:
-    """What one ``bench/broadcast.py --json`` file says, per case: t/floor, busy, CPU s/GB/peer, demotions
-    (host @ s); and what a new file cost the bed then (``page_cache_cpu_per_gb``, fresh pages first)."""
+    """What one ``bench/broadcast.py --json`` file says, per case: t/floor, busy, CPU s/GB/peer (and the part
+    spent writing the copy), demotions (host @ s)."""
     cases = {}
     for s in doc["summaries"]:
         if s.get("ratio") is None:
             continue
         leaves = [f"h{h} @ {t:.1f}" for run in s.get("demoted") or [] for h, t in run]
         cases[f"{s['case']} N={s['n']}"] = {"ratio": s["ratio"], "busy": s.get("busy"), "cpu": s.get("cpu_per_gb"),
-                                            "leaves": leaves}
-    return {"cases": cases, "new_file": (doc.get("page_cache_cpu_per_gb") or [None])[0]}
+                                            "writing": s.get("write_cpu_per_gb"), "leaves": leaves}
+    return {"cases": cases}
 
 
 def compare(pairs: list[tuple[dict, dict]]) -> list[str]:
@@ -105,9 +105,9 @@ def _line(i: int, side: str, res: dict) -> str:
         return f"[{i}] {side} FAILED: {res['error']}"
     cells = [f"{c} {v['ratio']:.3f} busy {v['busy'] or 0:.0%}"
              + (f" cpu {v['cpu']:.2f}" if v.get("cpu") is not None else "")
+             + (f" (writing {v['writing']:.2f})" if v.get("writing") is not None else "")
              + f" leaves {', '.join(v['leaves']) or 'none'}" for c, v in res["cases"].items()]
-    fresh = res.get("new_file")
-    return f"[{i}] {side} " + "; ".join(cells) + (f" (new file {fresh:.2f} CPU s/GB)" if fresh is not None else "")
+    return f"[{i}] {side} " + "; ".join(cells)
 
 
 def _sigterm(*_):

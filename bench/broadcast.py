@@ -30,8 +30,12 @@ show medians of ``--repeat`` runs.  ``bench/fleet.py`` does one run:
   S/3), timed to the survivors' last exit.
 * seed tx/S: frame bytes host 0's link carried during the run over S (headers
   make one copy read about 1.046); CPU s/GB/peer: user+sys seconds of each
-  receiver process (``os.wait4``) per GB of S, mean over receivers; CPU busy:
-  the machine's cores during the run (it is shared: read ratios, not seconds).
+  receiver process (``os.wait4``) per GB of S, mean over receivers, and in
+  brackets the part a p2pw join's loop spent writing verified chunks into its
+  copy (``write_cpu_seconds`` of its --report: on this VM, whose host backs new
+  guest pages lazily, filling new page cache is most of it, and it swings
+  between runs); CPU busy: the machine's cores during the run (it is shared:
+  read ratios, not seconds).
 * sim: ``p2pw simulate`` for the same N, S, B, chunk and plan (slow hosts as
   the uplinks of those ranks, the kill as rank 1 at a third, ``--startup`` the
   runs' median join() time since the launch; n/a where the simulator cannot
@@ -51,7 +55,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,11 +151,13 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         return f(xs) if xs else None
 
     started = _med(rep(r, "started_at", statistics.median) for r in ok)  # the joins' start, for the simulator
+    writes = _med(rep(r, "write_cpu_seconds", statistics.mean) for r in ok)  # CPU s a join spent writing its copy
     out.update({
         "size": size, "floor": floor,
         "ratio": _med(r["time"] / floor for r in ok), "ratios": [round(r["time"] / floor, 3) for r in ok],
         "seed_tx_ratio": _med(r["seed_tx"] / size for r in ok),
         "cpu_per_gb": _med(statistics.mean(r["cpu"].values()) / gb for r in ok),
+        "write_cpu_per_gb": None if writes is None else writes / gb,
         "busy": _med(r["busy"] for r in ok),
         "slow_worst": _med(worst(r, set(slow)) for r in ok) if slow else None,
         "fast_worst": _med(worst(r, set(range(1, n + 1)) - set(slow)) for r in ok),
@@ -182,7 +187,7 @@ def _cell(s: dict | None, key: str, fmt="{:.2f}") -> str:
 
 
 MAIN_HEAD = ("| case | N | Mbit/s | plan | p2pw t/floor | libtorrent t/floor | p2pw/libtorrent | p2pw seed tx/S "
-             "| bt seed tx/S | p2pw CPU s/GB/peer | bt CPU s/GB/peer | sim t/floor | CPU busy |\n"
+             "| bt seed tx/S | p2pw CPU s/GB/peer (writing the copy) | bt CPU s/GB/peer | sim t/floor | CPU busy |\n"
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 DETAIL_HEAD = ("| case | N | tool | plan | runs t/floor | slow hosts worst | other hosts worst | joined by s "
                "| first chunk s | last chunk s | last exit s | killed (host @ s, rx/S) | made leaves (host @ s) |\n"
@@ -192,6 +197,12 @@ DETAIL_HEAD = ("| case | N | tool | plan | runs t/floor | slow hosts worst | oth
 def _plan(variant: str) -> str:
     d = default_plan() if variant == "default" else None
     return f"default ({d})" if d else variant
+
+
+def _cpu(s: dict) -> str:
+    """p2pw's CPU s/GB/peer, and in brackets the part spent writing the copy into the page cache."""
+    w = s.get("write_cpu_per_gb")
+    return _cell(s, "cpu_per_gb", "{:.1f}") + (f" ({w:.1f})" if w is not None and s.get("cpu_per_gb") else "")
 
 
 def main_rows(summaries: list[dict]) -> list[str]:
@@ -205,7 +216,7 @@ def main_rows(summaries: list[dict]) -> list[str]:
         busy = [x.get("busy") for x in (s, bt) if x and x.get("busy") is not None]
         rows.append(f"| {s['case']} | {s['n']} | {s['rate_mbit']:.0f} | {_plan(s['variant'])} | {_cell(s, 'ratio')} | "
                     f"{_cell(bt, 'ratio')} | {_f(vs)} | {_cell(s, 'seed_tx_ratio')} | {_cell(bt, 'seed_tx_ratio')} | "
-                    f"{_cell(s, 'cpu_per_gb', '{:.1f}')} | {_cell(bt, 'cpu_per_gb', '{:.1f}')} | {_f(s.get('sim'))} | "
+                    f"{_cpu(s)} | {_cell(bt, 'cpu_per_gb', '{:.1f}')} | {_f(s.get('sim'))} | "
                     f"{_f(max(busy) if busy else None, '{:.0%}')} |")
     if not rows:  # libtorrent alone
         for s in summaries:
@@ -327,34 +338,12 @@ def run_n(n: int, args, model: str, torrent: str | None, work: str, size: int) -
                     r.update(case=case, variant=v, rep=rep, n=n)
                     runs[(case, v)].append(r)
                     if "error" not in r:
+                        writes = [d["write_cpu_seconds"] for d in r["reports"].values() if "write_cpu_seconds" in d]
                         print(f"  [{rep + 1}/{args.repeat}] N={n} {case:<5} {v:<10} {r['time']:6.2f} s = "
                               f"{r['time'] / floor:.2f} x floor, seed tx {r['seed_tx'] / size:.2f} S, "
-                              f"busy {r['busy']:.0%}", file=sys.stderr, flush=True)
+                              f"busy {r['busy']:.0%}" + (f", writing the copy {statistics.mean(writes) / (size / 1e9):.1f}"
+                                                         " CPU s/GB/peer" if writes else ""), file=sys.stderr, flush=True)
     return runs, failed
-
-
-def page_cache_cost(directory: str, size: int) -> tuple[float, float]:
-    """CPU seconds per GB to write ``size`` bytes into a new file (512 KiB pwrites, as a join writes --out):
-    first into whatever pages the kernel hands out, then again at once after deleting it (pages just freed).
-
-    On this VM the two differ 10-30x: the hypervisor backs guest memory lazily and takes back pages the
-    guest frees (virtio-balloon free page reporting), so a page-cache page that is new to the host costs a
-    fault in the host on first touch, charged to the writer's CPU.  Every receiver of every tool writes S
-    bytes of new file per run, so this line says how much of the runs' CPU the bed itself charges."""
-    block = os.urandom(512 << 10)
-    costs = []
-    for _ in range(2):
-        path = os.path.join(directory, "page-cache-probe")
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        try:
-            t0 = time.process_time()
-            for at in range(0, size, len(block)):
-                os.pwrite(fd, block, at)
-            costs.append((time.process_time() - t0) / (size / 1e9))
-        finally:
-            os.close(fd)
-            os.unlink(path)
-    return costs[0], costs[1]
 
 
 def main(argv=None) -> int:
@@ -377,7 +366,6 @@ def main(argv=None) -> int:
     ncpu = os.cpu_count() or 1
     summaries, raw, failed = [], [], 0
     with tempfile.TemporaryDirectory(prefix="p2pw-bcast-") as work:
-        touch = page_cache_cost(work, args.size)
         model = f"{work}/model"
         write_synthetic_model(model, size_mb=args.size / (1 << 20), shards=2)
         size = sum(fleet.source_files(model).values())
@@ -390,8 +378,7 @@ def main(argv=None) -> int:
                  f"{'of ' + str(args.chunk_size >> 10) + ' KiB' if args.chunk_size else 'at the seeder default'}, "
                  f"libtorrent pieces of {args.piece_size >> 10} KiB ({'TCP+uTP' if args.bt_utp else 'TCP only'}), "
                  f"medians of {args.repeat} run(s), {ncpu} CPUs; {_versions()}; the default plan is "
-                 f"{default_plan() or 'unknown'}; writing a new file costs {touch[0]:.2f} CPU s/GB here "
-                 f"({touch[1]:.2f} into pages just freed)")
+                 f"{default_plan() or 'unknown'}")
         print(f"# broadcast: {intro}", file=sys.stderr, flush=True)
         for n in args.peers:
             try:
@@ -420,8 +407,7 @@ def main(argv=None) -> int:
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.md).write_text(f"# Broadcast on emulated hosts\n\n`{cmd.strip()}` ({when})\n\n{text}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"summaries": summaries, "runs": raw, "page_cache_cpu_per_gb": touch},
-                                              indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"summaries": summaries, "runs": raw}, indent=1, default=str))
     return 1 if failed else 0
 
 

@@ -83,10 +83,10 @@ def test_ab_reads_each_run_s_cases_and_says_in_how_many_pairs_b_was_faster():
 
     def doc(equal, slow2, leaves=(), cpu=4.0):
         return {"summaries": [
-            {"case": "equal", "n": 8, "ratio": equal, "busy": 0.8, "cpu_per_gb": cpu, "demoted": [[]]},
+            {"case": "equal", "n": 8, "ratio": equal, "busy": 0.8, "cpu_per_gb": cpu, "write_cpu_per_gb": 2.5,
+             "demoted": [[]]},
             {"case": "slow2", "n": 8, "ratio": slow2, "busy": 0.7, "cpu_per_gb": cpu + 1, "demoted": [list(leaves)]},
-            {"case": "kill", "n": 8, "ratio": None, "failed": 1, "errors": ["timeout"]}],
-            "page_cache_cpu_per_gb": [2.5, 0.2]}
+            {"case": "kill", "n": 8, "ratio": None, "failed": 1, "errors": ["timeout"]}]}
 
     b1, a1 = ab.summarize(doc(1.20, 1.40, [(1, 1.0), (2, 1.5)], cpu=3.0)), ab.summarize(doc(1.22, 1.50))
     b2, a2 = ab.summarize(doc(1.25, 1.45, cpu=3.5)), ab.summarize(doc(1.21, 1.55, cpu=3.4))
@@ -97,5 +97,5 @@ def test_ab_reads_each_run_s_cases_and_says_in_how_many_pairs_b_was_faster():
                      "slow2 N=8: B median 1.425 (1.400-1.450), A median 1.525 (1.500-1.550), B faster in 2 of 2 pairs"
                      "; CPU s/GB/peer B 4.25, A 4.70, B less in 1 of 2"]
     assert ab._line(3, "B", {"error": "bed failed"}) == "[3] B FAILED: bed failed"
-    assert ab._line(1, "A", a1) == ("[1] A equal N=8 1.220 busy 80% cpu 4.00 leaves none; slow2 N=8 1.500 busy 70% "
-                                    "cpu 5.00 leaves none (new file 2.50 CPU s/GB)")
+    assert ab._line(1, "A", a1) == ("[1] A equal N=8 1.220 busy 80% cpu 4.00 (writing 2.50) leaves none; "
+                                    "slow2 N=8 1.500 busy 70% cpu 5.00 leaves none")
