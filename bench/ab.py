@@ -3,7 +3,11 @@
 This machine is shared and its load swings within minutes (the same
 configuration took 1.42 and 1.65 x S/B an hour apart), so a change is judged
 only against the code before it, run by run, on the same bed: B then A, then
-B, ...  Each side runs from its own git worktree (A: ``--a``, default HEAD; B:
+A then B, and so on (ABBA), so that neither side always runs first: on this
+VM what a run's joins spend filling new page cache depends on how recently
+the pages were freed (one set of 4 pairs, B always first, read B's joins
+spending 0.1-0.9 CPU s/GB/peer more on it than A's in every pair, for
+changes that write nothing differently).  Each side runs from its own git worktree (A: ``--a``, default HEAD; B:
 ``--b``, or HEAD with ``--patch``, or by default HEAD with the working tree's
 uncommitted changes), so the checkout is never touched.  Every run is one
 ``bench/broadcast.py --tools p2pw --repeat 1 --trace`` of the side's own tree,
@@ -120,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--a", default="HEAD", help="the version to compare against (HEAD)")
     ap.add_argument("--b", help="the version to judge (default: HEAD with the working tree's uncommitted changes)")
     ap.add_argument("--patch", help="or: HEAD with this diff applied")
-    ap.add_argument("--pairs", type=int, default=4, help="B-then-A pairs (4)")
+    ap.add_argument("--pairs", type=int, default=4, help="pairs, B first in odd ones, A first in even ones (4)")
     ap.add_argument("--keep", help="keep every run's --json (B1.json, A1.json, ...) in this folder, for bench/trace.py")
     ap.add_argument("bench", nargs="*", help="arguments for bench/broadcast.py (after --)")
     args = ap.parse_args(argv)
@@ -141,7 +145,7 @@ def main(argv=None) -> int:
             pairs = []
             for i in range(1, args.pairs + 1):
                 got = {}
-                for side in ("B", "A"):
+                for side in ("B", "A") if i % 2 else ("A", "B"):
                     got[side] = run_side(trees[side], args.bench, keep / f"{side}{i}.json")
                     print(_line(i, side, got[side]), flush=True)
                 pairs.append((got["B"], got["A"]))
