@@ -6,8 +6,12 @@ only against the code before it, run by run, on the same bed: B then A, then
 A then B, and so on (ABBA), so that neither side always runs first: on this
 VM what a run's joins spend filling new page cache depends on how recently
 the pages were freed (one set of 4 pairs, B always first, read B's joins
-spending 0.1-0.9 CPU s/GB/peer more on it than A's in every pair, for
-changes that write nothing differently).  Each side runs from its own git worktree (A: ``--a``, default HEAD; B:
+spending 0.1-0.9 CPU s/GB/peer more on it than A's in every pair, for a
+change that writes nothing differently; a no-op change run ABBA then read
+0.95-1.79 against 0.98-1.17, the dearest the invocation's first run, and
+its medians 1.223 against 1.235 with equal uplinks, B faster in 3 of 4
+pairs, 1.340 against 1.325 with two slow hosts, 2 of 4: the tool's noise).
+Each side runs from its own git worktree (A: ``--a``, default HEAD; B:
 ``--b``, or HEAD with ``--patch``, or by default HEAD with the working tree's
 uncommitted changes), so the checkout is never touched.  Every run is one
 ``bench/broadcast.py --tools p2pw --repeat 1 --trace`` of the side's own tree,
