@@ -5,12 +5,7 @@ configuration took 1.42 and 1.65 x S/B an hour apart), so a change is judged
 only against the code before it, run by run, on the same bed: B then A, then
 A then B, and so on (ABBA), so that neither side always runs first: on this
 VM what a run's joins spend filling new page cache depends on how recently
-the pages were freed (one set of 4 pairs, B always first, read B's joins
-spending 0.1-0.9 CPU s/GB/peer more on it than A's in every pair, for a
-change that writes nothing differently; a no-op change run ABBA then read
-0.95-1.79 against 0.98-1.17, the dearest the invocation's first run, and
-its medians 1.223 against 1.235 with equal uplinks, B faster in 3 of 4
-pairs, 1.340 against 1.325 with two slow hosts, 2 of 4: the tool's noise).
+the pages were freed (README, stop 33: what a no-op change reads here).
 Each side runs from its own git worktree (A: ``--a``, default HEAD; B:
 ``--b``, or HEAD with ``--patch``, or by default HEAD with the working tree's
 uncommitted changes), so the checkout is never touched.  Every run is one
@@ -90,18 +85,17 @@ def compare(pairs: list[tuple[dict, dict]]) -> list[str]:
     lines = []
     cases = sorted({c for b, a in pairs for c in (b.get("cases") or {})})
     for case in cases:
-        both = [(b["cases"][case]["ratio"], a["cases"][case]["ratio"]) for b, a in pairs
+        both = [(b["cases"][case], a["cases"][case]) for b, a in pairs
                 if case in (b.get("cases") or {}) and case in (a.get("cases") or {})]
         if not both:
             continue
-        bs, as_ = [x for x, _ in both], [y for _, y in both]
-        wins = sum(x < y for x, y in both)
+        bs, as_ = [x["ratio"] for x, _ in both], [y["ratio"] for _, y in both]
+        wins = sum(x < y for x, y in zip(bs, as_))
         line = (f"{case}: B median {statistics.median(bs):.3f} ({min(bs):.3f}-{max(bs):.3f}), "
                 f"A median {statistics.median(as_):.3f} ({min(as_):.3f}-{max(as_):.3f}), "
                 f"B faster in {wins} of {len(both)} pairs")
-        cpu = [(b["cases"][case].get("cpu"), a["cases"][case].get("cpu")) for b, a in pairs
-               if case in (b.get("cases") or {}) and case in (a.get("cases") or {})]
-        if cpu and all(x is not None and y is not None for x, y in cpu):  # a CPU change shows here first
+        cpu = [(x.get("cpu"), y.get("cpu")) for x, y in both]
+        if all(x is not None and y is not None for x, y in cpu):  # a CPU change shows here first
             line += (f"; CPU s/GB/peer B {statistics.median(x for x, _ in cpu):.2f}, "
                      f"A {statistics.median(y for _, y in cpu):.2f}, B less in {sum(x < y for x, y in cpu)} of {len(cpu)}")
         lines.append(line)

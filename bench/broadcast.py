@@ -130,6 +130,12 @@ def _med(xs):
     return statistics.median(xs) if xs else None
 
 
+def writing_per_gb(r: dict) -> float | None:
+    """CPU s/GB a run's joins spent writing their copies (mean of their ``write_cpu_seconds``); None: libtorrent."""
+    writes = [d["write_cpu_seconds"] for d in r["reports"].values() if "write_cpu_seconds" in d]
+    return statistics.mean(writes) / (r["size"] / 1e9) if writes else None
+
+
 def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, slow: dict, args) -> dict:
     """Medians over the successful runs of one (N, case, variant)."""
     ok = [r for r in runs if "error" not in r]
@@ -151,13 +157,12 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         return f(xs) if xs else None
 
     started = _med(rep(r, "started_at", statistics.median) for r in ok)  # the joins' start, for the simulator
-    writes = _med(rep(r, "write_cpu_seconds", statistics.mean) for r in ok)  # CPU s a join spent writing its copy
     out.update({
         "size": size, "floor": floor,
         "ratio": _med(r["time"] / floor for r in ok), "ratios": [round(r["time"] / floor, 3) for r in ok],
         "seed_tx_ratio": _med(r["seed_tx"] / size for r in ok),
         "cpu_per_gb": _med(statistics.mean(r["cpu"].values()) / gb for r in ok),
-        "write_cpu_per_gb": None if writes is None else writes / gb,
+        "write_cpu_per_gb": _med(writing_per_gb(r) for r in ok),
         "busy": _med(r["busy"] for r in ok),
         "slow_worst": _med(worst(r, set(slow)) for r in ok) if slow else None,
         "fast_worst": _med(worst(r, set(range(1, n + 1)) - set(slow)) for r in ok),
@@ -338,11 +343,11 @@ def run_n(n: int, args, model: str, torrent: str | None, work: str, size: int) -
                     r.update(case=case, variant=v, rep=rep, n=n)
                     runs[(case, v)].append(r)
                     if "error" not in r:
-                        writes = [d["write_cpu_seconds"] for d in r["reports"].values() if "write_cpu_seconds" in d]
+                        w = writing_per_gb(r)
                         print(f"  [{rep + 1}/{args.repeat}] N={n} {case:<5} {v:<10} {r['time']:6.2f} s = "
-                              f"{r['time'] / floor:.2f} x floor, seed tx {r['seed_tx'] / size:.2f} S, "
-                              f"busy {r['busy']:.0%}" + (f", writing the copy {statistics.mean(writes) / (size / 1e9):.1f}"
-                                                         " CPU s/GB/peer" if writes else ""), file=sys.stderr, flush=True)
+                              f"{r['time'] / floor:.2f} x floor, seed tx {r['seed_tx'] / size:.2f} S, busy {r['busy']:.0%}"
+                              + (f", writing the copy {w:.1f} CPU s/GB/peer" if w is not None else ""),
+                              file=sys.stderr, flush=True)
     return runs, failed
 
 

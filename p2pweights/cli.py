@@ -273,7 +273,7 @@ def cmd_join(args) -> int:
                              "bytes_sent": st.bytes_sent, "model_id": dl.model_id, "listen": dl.listen,
                              "resumed": st.resumed, "received": st.chunks_received, "stalled": st.stalled,
                              "reparented": st.reparented, "switches": st.switches, "duplicates": st.duplicates,
-                             "write_cpu_seconds": round(st.write_seconds, 3),
+                             "write_cpu_seconds": round(dl.store.write_seconds, 3),
                              "path": dl.snapshot or dl.path,
                              # wall clock (epoch s) of join() and of the last verified chunk, for benchmarks
                              # that compare peers in separate processes against one common start

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import struct
-import time
 
 import zmq
 
@@ -163,13 +162,11 @@ class Handlers:
             n.faults.received()
         ok = got == size and n.digest(data) == n.manifest.chunks[index]
         if ok and not n.store.in_place:
-            began = time.thread_time()
             try:
                 n.store.write(index, data)
             except OSError as e:
                 n._fail(f"writing chunk {index} into the local copy failed: {e.strerror or e}")
                 return
-            n.stats.write_seconds += time.thread_time() - began
         planned = n.pull.plan[index % n.pull.stripes]
         n.pull.arrived(link.rank, index, ok)
         if ok:

@@ -71,13 +71,10 @@ def keep_frame_memory() -> None:
 
 class Stats:
     """Counters a node reports: ``bytes_received`` counts chunk bytes received into the store (verified
-    or not), ``switches`` chunks taken from a partner other than the planned source; ``write_seconds``
-    the loop's CPU seconds writing verified chunks into the copy's files (page cache: on a VM whose
-    host backs new pages lazily, most of a join's CPU); ``arrivals`` (traced joins): (clock, chunk,
-    from rank, planned rank) per verified chunk."""
+    or not), ``switches`` chunks taken from a partner other than the planned source; ``arrivals``
+    (traced joins): (clock, chunk, from rank, planned rank) per verified chunk."""
 
     def __init__(self):
-        self.write_seconds = 0.0
         self.chunks_sent = self.bytes_sent = self.chunks_received = self.bytes_received = 0
         self.bad_chunks = self.duplicates = self.malformed = self.stalled = 0
         self.reparented = self.resumed = self.switches = 0

@@ -225,6 +225,7 @@ class Store:
         self.sinks: list = []
         self.first_at: float | None = None  # monotonic time the first chunk was verified
         self.done_at: float | None = None
+        self.write_seconds = 0.0  # CPU seconds ``write`` spent (on a VM that backs new pages lazily: most of a join's)
 
     def chunk(self, index: int) -> memoryview:
         lo, hi = self.manifest.chunk_span(index)
@@ -250,7 +251,9 @@ class Store:
         into the page cache, and the mapping, which shares those pages, serves
         them.
         """
+        began = time.thread_time()
         self.files.write_chunk(index, data)
+        self.write_seconds += time.thread_time() - began
 
     @property
     def complete(self) -> bool:
