@@ -311,8 +311,8 @@ class DiskCache:
         last_progress = 0.0
         try:
             while files_left:
-                try:
-                    item = self.queue.get(timeout=PROGRESS_EVERY)
+                try:  # woken by the next item or when progress.json is due, whichever comes first
+                    item = self.queue.get(timeout=max(0.0, last_progress + PROGRESS_EVERY - time.monotonic()))
                 except queue.Empty:
                     item = ("tick", 0)
                 if item is None:

@@ -6,6 +6,7 @@ Set ``P2PW_FAULTS`` in a node's environment to a comma-separated list:
 - ``drop=P``: silently skip a fraction P of the chunks this node would send
 - ``delay_send=MS``: sleep MS milliseconds before each chunk this node sends
 - ``delay_recv=MS``: sleep MS milliseconds after each chunk this node receives (a slow reader)
+- ``hang_after=N``: stop for good after the N-th chunk this node receives (a hung host: alive, silent)
 - ``seed=N``: seed of the random choices, for repeatable runs
 
 ``P2PW_FAULT_FORGE=I[,J...]`` also makes the node send xxh3-preserving forgeries
@@ -30,8 +31,9 @@ class Faults:
     """What to do wrong, and how often (``forger``: a forgery.Forger, from P2PW_FAULT_FORGE)."""
 
     def __init__(self, corrupt: float = 0.0, drop: float = 0.0, delay_send: float = 0.0, delay_recv: float = 0.0,
-                 seed: int | None = None, forger=None):
+                 seed: int | None = None, forger=None, hang_after: int = 0):
         self.corrupt, self.drop, self.delay_send, self.delay_recv = corrupt, drop, delay_send, delay_recv
+        self.hang_after, self.n_received = hang_after, 0
         self.seed, self.forger = seed, forger
         self.rng = random.Random(seed)
 
@@ -50,8 +52,11 @@ class Faults:
         return data
 
     def received(self) -> None:
+        self.n_received += 1
         if self.delay_recv:
             time.sleep(self.delay_recv)
+        while self.hang_after and self.n_received >= self.hang_after:
+            time.sleep(3600)
 
 
 def parse(spec: str) -> Faults:
@@ -66,6 +71,8 @@ def parse(spec: str) -> Faults:
                 setattr(f, key, float(value.removesuffix("ms")) / 1000)
             elif key == "seed":
                 f.seed = int(value)
+            elif key == "hang_after":
+                f.hang_after = int(value)
             else:
                 raise ValueError
         except ValueError:
