@@ -6,7 +6,8 @@ Set ``P2PW_FAULTS`` in a node's environment to a comma-separated list:
 - ``drop=P``: silently skip a fraction P of the chunks this node would send
 - ``delay_send=MS``: sleep MS milliseconds before each chunk this node sends
 - ``delay_recv=MS``: sleep MS milliseconds after each chunk this node receives (a slow reader)
-- ``hang_after=N``: stop for good after the N-th chunk this node receives (a hung host: alive, silent)
+- ``hang_after=N``: stop for good on the N-th chunk this node receives, before storing it (a hung host:
+  alive, silent)
 - ``seed=N``: seed of the random choices, for repeatable runs
 
 ``P2PW_FAULT_FORGE=I[,J...]`` also makes the node send xxh3-preserving forgeries
