@@ -14,6 +14,7 @@ import logging
 import zmq
 
 from . import protocol
+from .partners import send_nowait
 from .protocol import CLIENT_TRANSITIONS, Connection, Msg
 
 log = logging.getLogger("p2pw")
@@ -43,7 +44,7 @@ class Membership:
         self.beat_at, self.received = now, {}  # the last heartbeat, and each link's bytes by then
 
     def post(self, frame: bytes) -> bool:
-        return self.node._post(self.socket, frame)
+        return send_nowait(self.socket, frame)
 
     def heartbeat(self) -> None:
         """What we hold and, of each partner, the rate it delivers while asked (``links``) and the

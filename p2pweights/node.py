@@ -26,10 +26,10 @@ from . import faults, keys, protocol
 from .handlers import MAX_BAD_FROM_PARENT, MAX_BAD_MESSAGES, NOBLOCK, READY, Child, Handlers  # noqa: F401
 from .manifest import chunk_hasher
 from .member import Membership
-from .partners import Partners, tcp  # noqa: F401  (tcp: part of the node's surface)
+from .partners import Partners, send_nowait, tcp  # noqa: F401  (tcp: part of the node's surface)
 from .protocol import MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: part of the node's limits)
 from .pull import DEFAULT_WINDOW, PullScheduler
-from .serve import MAX_PARKED, UploadScheduler
+from .serve import MAX_PARKED, Announcer, UploadScheduler
 
 log = logging.getLogger("p2pw")
 
@@ -107,6 +107,7 @@ class Node:
         self.faults = faults.from_env()  # test-only fault injection; None unless asked for in the environment
         n = manifest.n_chunks
         self.serve = UploadScheduler(n, store.has, fresh_first=tracker is not None)
+        self.announcer = Announcer(self.serve, clock)
         self.pull = PullScheduler(n, manifest.chunk_size, store.have, window=window, clock=clock,
                                   rng=random.Random())
         self.endpoint = None  # the tracker's member handlers: on the seeder only
@@ -222,10 +223,13 @@ class Node:
                 link = links.get(rank)
                 if link is not None:
                     for batch in protocol.batches(chunks):
-                        self._post(link.socket, protocol.chunk_list(kind, batch))
+                        send_nowait(link.socket, protocol.chunk_list(kind, batch))
         if self.fresh:
             self._have(self.fresh)
             self.fresh = []
+        for ident, chunks in self.announcer.due():  # what partners not pulling from us heard late
+            if ident in self.children:
+                self._announce(ident, chunks)
         if self.endpoint is not None:
             for ident, frames in self.endpoint.take():
                 self._send(ident, *frames)
@@ -240,19 +244,19 @@ class Node:
                 blocked.add(ident)
 
     def _have(self, fresh: list[int]) -> None:
-        """Announce ``fresh`` chunks in HAVEs to the partners pulling from us, leaving out, for a
-        partner we pull from too, what it holds already (about a third of all HAVEs: it sent us
-        those).  Once we are complete it hears of every chunk, so it counts us complete."""
+        """Announce ``fresh`` chunks in HAVEs to our partners, at once or batched (``Announcer``), leaving
+        out, for a partner we pull from too, what it holds already (about a third of all HAVEs: it sent
+        us those).  Once we are complete it hears of every chunk, so it counts us complete."""
         everything = range(self.manifest.n_chunks) if self.store.complete else None
         for ident, child in list(self.children.items()):
-            link = self.pull.links.get(child.rank)
-            if link is None or link.holds is None:
-                news = fresh
-            else:
-                holds = link.holds
-                news = everything or [i for i in fresh if not holds >> i & 1]
-            for batch in protocol.batches(news):
-                self._send(ident, protocol.chunk_list(Msg.HAVE, batch))
+            holds = getattr(self.pull.links.get(child.rank), "holds", None)  # (a partner we pull from too)
+            whole = everything if holds is not None else None
+            news = whole or [i for i in fresh if not (holds or 0) >> i & 1]
+            self._announce(ident, self.announcer.tell(ident, news, whole is not None))
+
+    def _announce(self, ident: bytes, chunks) -> None:
+        for batch in protocol.batches(chunks):
+            self._send(ident, protocol.chunk_list(Msg.HAVE, batch))
 
     def _tick(self, now: float) -> None:
         """Timers: heartbeats, silent partners, stalled requests, completion, leaving, giving up."""
@@ -299,19 +303,6 @@ class Node:
 
     # ----- sending -------------------------------------------------------
 
-    @staticmethod
-    def _post(sock: zmq.Socket, frame: bytes) -> bool:
-        """Send one frame to a partner or the tracker without ever blocking the loop.
-
-        A DEALER whose peer is down queues up to its high-water mark and then
-        would block; dropping is right for these messages (requests are re-asked,
-        heartbeats and reports are repeated)."""
-        try:
-            sock.send(frame, NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
-
     def _send(self, ident: bytes, *frames, copy=True) -> bool:
         try:
             self.router.send_multipart([ident, *frames], flags=NOBLOCK, copy=copy)
@@ -344,6 +335,7 @@ class Node:
             self.endpoint.bye(ident)
         self.children.pop(ident, None)
         self.serve.detach(ident)
+        self.announcer.forget(ident)
 
     # ----- chunks --------------------------------------------------------
 

@@ -37,6 +37,19 @@ class PartnerLink:
         self.last_heard, self.last_chunk, self.orphan_sent, self.monitor = last_heard, last_chunk, orphan_sent, monitor
 
 
+def send_nowait(sock: zmq.Socket, frame: bytes) -> bool:
+    """Send one frame to a partner or the tracker without ever blocking the loop.
+
+    A DEALER whose peer is down queues up to its high-water mark and then
+    would block; dropping is right for these messages (requests are re-asked,
+    heartbeats and reports are repeated)."""
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
+
+
 class Partners:
     """The links of one peer to the partners it pulls from, and its plan."""
 
@@ -115,7 +128,7 @@ class Partners:
         n.poller.register(sock, zmq.POLLIN)
         if monitor is not None:
             n.poller.register(monitor, zmq.POLLIN)
-        n._post(sock, protocol.control(Msg.ATTACH, peer_id=n.peer_id, rank=n.rank, model_id=n.model_id))
+        send_nowait(sock, protocol.control(Msg.ATTACH, peer_id=n.peer_id, rank=n.rank, model_id=n.model_id))
 
     def close(self, rank: int) -> None:
         """Close the link to ``rank``; its outstanding requests are free to ask elsewhere."""

@@ -1,8 +1,9 @@
-"""The upload scheduler alone: fair round-robin, parking, cancels, the seeder's fresh-first order."""
+"""The upload scheduler alone: fair round-robin, parking, cancels, the seeder's fresh-first order; the announcer:
+who hears of fresh chunks at once, who in batches."""
 import pytest
 
 from p2pweights.protocol import ProtocolError
-from p2pweights.serve import UploadScheduler
+from p2pweights.serve import HAVE_DEFER, PULLING, Announcer, UploadScheduler
 
 
 def held(text: str):
@@ -88,3 +89,47 @@ def test_detach_forgets_everything_a_link_asked():
     s.detach(b"a")
     s.verified(1)
     assert drain(s) == [] and not s.parked
+
+
+def announcer(n=16):
+    clock = [10.0]
+    s = UploadScheduler(n, held("1" * n))
+    for link in (b"a", b"b"):
+        s.attach(link)
+    return Announcer(s, lambda: clock[0]), s, clock
+
+
+def test_a_partner_pulling_from_us_hears_at_once_the_others_in_batches():
+    a, s, clock = announcer()
+    a.requested(b"a")
+    s.request(b"a", [0])
+    assert a.tell(b"a", [1]) == [1]  # it asked just now
+    assert a.tell(b"b", [1]) == []  # it never asked: later
+    assert a.tell(b"b", [2]) == []
+    assert a.due() == []  # not yet
+    clock[0] += HAVE_DEFER
+    assert a.due() == [(b"b", [1, 2])]
+    assert a.due() == []
+
+
+def test_waiting_requests_keep_a_partner_pulling_however_long_ago_it_asked():
+    a, s, clock = announcer()
+    a.requested(b"a")
+    s.request(b"a", [3])  # parked or queued here: it waits on us
+    clock[0] += 10 * PULLING
+    assert a.tell(b"a", [1]) == [1]
+    drain(s)  # sent: nothing waits any more, and it asked long ago
+    assert a.tell(b"a", [2]) == []
+    a.requested(b"a")  # it asks again: what waited comes with the next news
+    assert a.tell(b"a", [4]) == [2, 4]
+    clock[0] += HAVE_DEFER
+    assert a.due() == []
+
+
+def test_everything_replaces_what_waited_and_a_forgotten_partner_hears_nothing():
+    a, s, clock = announcer(4)
+    assert a.tell(b"a", [1]) == [] and a.tell(b"b", [1]) == []
+    assert a.tell(b"a", range(4), everything=True) == range(4)
+    a.forget(b"b")
+    clock[0] += HAVE_DEFER
+    assert a.due() == []
