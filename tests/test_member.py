@@ -16,9 +16,9 @@ def test_a_heartbeat_reports_each_partner_s_rate_while_asked_and_what_it_deliver
         pull.add(rank)
         pull.ready(rank, [1] * 8)
     posted = []
-    node = SimpleNamespace(clock=lambda: clock[0], pull=pull, store=SimpleNamespace(count=0),
-                           _post=lambda sock, frame: posted.append(frame) or True)
-    member = Membership(node, None, "10.0.0.1:7420", {}, tracker_timeout=10.0, give_up_after=10.0)
+    node = SimpleNamespace(clock=lambda: clock[0], pull=pull, store=SimpleNamespace(count=0))
+    tracker_link = SimpleNamespace(send=lambda frame, flags: posted.append(frame))
+    member = Membership(node, tracker_link, "10.0.0.1:7420", {}, tracker_timeout=10.0, give_up_after=10.0)
 
     def beat() -> dict:
         member.heartbeat()
