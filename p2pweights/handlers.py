@@ -252,10 +252,10 @@ class Handlers:
             log.info("%s: a request on a connection dropped earlier; telling it to attach again", self._who(ident))
             n._send(ident, protocol.control(Msg.ERROR, message="not attached (the connection dropped): attach again"))
         elif kind == Msg.REQUEST:
-            n.announcer.requested(ident)
             for index in n.serve.request(ident, event.indices):
                 if n.reader is not None:
                     n.reader.want(index)
+            n.announcer.requested(ident, event.indices)
         elif kind == Msg.CANCEL:
             n.serve.cancel(ident, event.indices)
         elif kind in (Msg.HELLO, Msg.STATUS) and n.endpoint is None:

@@ -107,7 +107,7 @@ class Node:
         self.faults = faults.from_env()  # test-only fault injection; None unless asked for in the environment
         n = manifest.n_chunks
         self.serve = UploadScheduler(n, store.has, fresh_first=tracker is not None)
-        self.announcer = Announcer(self.serve, clock)
+        self.announcer = Announcer(self.serve, clock, stripes=lambda: self.pull.stripes)
         self.pull = PullScheduler(n, manifest.chunk_size, store.have, window=window, clock=clock,
                                   rng=random.Random())
         self.endpoint = None  # the tracker's member handlers: on the seeder only

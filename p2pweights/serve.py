@@ -11,7 +11,7 @@ CANCEL withdraws a request not yet sent.  Per link at most ``max_parked``
 requests wait, so no partner can grow this node's memory.
 
 ``Announcer`` decides when a partner hears (HAVE) of the chunks this node
-verified: at once if it pulls from us now, else in a batch every
+verified: at once for a stripe it pulls from us now, else in a batch every
 ``HAVE_DEFER`` seconds.
 """
 from __future__ import annotations
@@ -153,41 +153,57 @@ class UploadScheduler:
 class Announcer:
     """When each attached partner hears of the chunks this node verified (sans-IO, clock injected).
 
-    A partner pulling from us (it has requests waiting here, or asked within
-    ``PULLING`` seconds) hears of each chunk at once: a planned child asks
-    only ``PARK_AHEAD`` chunks ahead of what we hold, so its next requests wait
-    on our HAVEs.  The others hear in batches every ``HAVE_DEFER`` seconds:
-    they read our HAVEs to judge whether their planned source lags, to find
-    help and to pick the rarest chunks, none of which a tenth of a second
-    changes, while every message costs CPU at both ends (HAVEs were about 70 %
-    of a join's messages at N = 16, one per chunk per partner)."""
+    A partner pulling a stripe from us (it asked us for a chunk of that stripe
+    within ``PULLING`` seconds, or did at all and has requests waiting here)
+    hears of that stripe's chunks at once: a planned child asks only
+    ``PARK_AHEAD`` chunks ahead of what we hold, so its next requests wait on
+    our HAVEs.  Everything else is told in batches every ``HAVE_DEFER``
+    seconds: partners read those HAVEs to judge whether their planned source
+    lags, to find help and to pick the rarest, none of which a tenth of a
+    second changes, while every message costs CPU at both ends (HAVEs were
+    about 70 % of a join's messages at N = 16, one per chunk per partner).
+    ``stripes()``: how many stripes the plan has (chunk i is in stripe i mod
+    that)."""
 
-    def __init__(self, serve: UploadScheduler, clock):
-        self.serve, self.clock = serve, clock
-        self.asked: dict[bytes, float] = {}  # partner -> when it last asked us for chunks
+    def __init__(self, serve: UploadScheduler, clock, stripes=lambda: 1):
+        self.serve, self.clock, self.stripes = serve, clock, stripes
+        self.asked: dict[bytes, dict[int, float]] = {}  # partner -> stripe -> when it last asked us for one
         self.pending: dict[bytes, list[int]] = {}  # partner -> chunks it has not heard of yet
         self.due_at: float | None = None
 
-    def requested(self, link: bytes) -> None:
-        self.asked[link] = self.clock()
+    def requested(self, link: bytes, indices) -> None:
+        now, k, asked = self.clock(), self.stripes(), self.asked.setdefault(link, {})
+        for i in indices:
+            asked[i % k] = now
 
     def forget(self, link: bytes) -> None:
         self.asked.pop(link, None)
         self.pending.pop(link, None)
 
-    def pulling(self, link: bytes) -> bool:
-        return bool(self.serve.waiting.get(link)) or self.clock() - self.asked.get(link, -PULLING) < PULLING
+    def pulling(self, link: bytes) -> set[int]:
+        """The stripes ``link`` pulls from us now."""
+        asked = self.asked.get(link)
+        if not asked:
+            return set()
+        if self.serve.waiting.get(link):
+            return set(asked)
+        now = self.clock()
+        return {s for s, at in asked.items() if now - at < PULLING}
 
     def tell(self, link: bytes, news, everything: bool = False):
-        """What to tell ``link`` now of ``news`` (chunks it has not heard of): all of it, with what waited
-        for it, if it pulls from us; else nothing now (``due`` hands it over later).  ``everything``: we
-        hold every chunk and ``news`` names them all: told now, in place of what waited."""
+        """What to tell ``link`` now of ``news`` (chunks it has not heard of): if one of them is of a stripe
+        it pulls from us, all of them and what waited for it (one message either way); else nothing now,
+        ``due`` hands them over later.  ``everything``: we hold every chunk and ``news`` names them all:
+        told now, in place of what waited."""
         if everything:
             self.pending.pop(link, None)
             return news
-        if self.pulling(link):
-            waited = self.pending.pop(link, None)
-            return waited + news if waited else news
+        stripes = self.pulling(link)
+        if stripes:
+            k = self.stripes()
+            if len(stripes) >= k or any(i % k in stripes for i in news):
+                waited = self.pending.pop(link, None)
+                return waited + news if waited else news
         if news:
             self.pending.setdefault(link, []).extend(news)
             if self.due_at is None:
