@@ -255,7 +255,6 @@ class Handlers:
             for index in n.serve.request(ident, event.indices):
                 if n.reader is not None:
                     n.reader.want(index)
-            n.announcer.requested(ident, event.indices)
         elif kind == Msg.CANCEL:
             n.serve.cancel(ident, event.indices)
         elif kind in (Msg.HELLO, Msg.STATUS) and n.endpoint is None:

@@ -106,10 +106,11 @@ class Node:
         self.stats = Stats()
         self.faults = faults.from_env()  # test-only fault injection; None unless asked for in the environment
         n = manifest.n_chunks
-        self.serve = UploadScheduler(n, store.has, fresh_first=tracker is not None)
-        self.announcer = Announcer(self.serve, clock, stripes=lambda: self.pull.stripes)
         self.pull = PullScheduler(n, manifest.chunk_size, store.have, window=window, clock=clock,
                                   rng=random.Random())
+        self.serve = UploadScheduler(n, store.has, fresh_first=tracker is not None, clock=clock,
+                                     stripes=lambda: self.pull.stripes)
+        self.announcer = Announcer(self.serve, clock)
         self.endpoint = None  # the tracker's member handlers: on the seeder only
         if tracker is not None:
             from .endpoint import TrackerEndpoint
@@ -227,9 +228,8 @@ class Node:
         if self.fresh:
             self._have(self.fresh)
             self.fresh = []
-        for ident, chunks in self.announcer.due():  # what partners not pulling from us heard late
-            if ident in self.children:
-                self._announce(ident, chunks)
+        for ident, chunks in self.announcer.due():  # what partners not pulling from us hear late
+            self._announce(ident, chunks)
         if self.endpoint is not None:
             for ident, frames in self.endpoint.take():
                 self._send(ident, *frames)
@@ -249,10 +249,13 @@ class Node:
         us those).  Once we are complete it hears of every chunk, so it counts us complete."""
         everything = range(self.manifest.n_chunks) if self.store.complete else None
         for ident, child in list(self.children.items()):
-            holds = getattr(self.pull.links.get(child.rank), "holds", None)  # (a partner we pull from too)
-            whole = everything if holds is not None else None
-            news = whole or [i for i in fresh if not (holds or 0) >> i & 1]
-            self._announce(ident, self.announcer.tell(ident, news, whole is not None))
+            holds = getattr(self.pull.links.get(child.rank), "holds", None)  # a partner we pull from too
+            if holds is None:
+                self._announce(ident, self.announcer.tell(ident, fresh))
+            elif everything is not None:
+                self._announce(ident, self.announcer.tell(ident, everything, everything=True))
+            else:
+                self._announce(ident, self.announcer.tell(ident, [i for i in fresh if not holds >> i & 1]))
 
     def _announce(self, ident: bytes, chunks) -> None:
         for batch in protocol.batches(chunks):
@@ -335,7 +338,6 @@ class Node:
             self.endpoint.bye(ident)
         self.children.pop(ident, None)
         self.serve.detach(ident)
-        self.announcer.forget(ident)
 
     # ----- chunks --------------------------------------------------------
 

@@ -16,6 +16,7 @@ verified: at once for a stripe it pulls from us now, else in a batch every
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from .protocol import ProtocolError
@@ -28,14 +29,16 @@ HAVE_DEFER = 0.1  # seconds a partner not pulling from us may hear late of what 
 class UploadScheduler:
     """Requests of every attached partner, and the order they are served in."""
 
-    def __init__(self, n_chunks: int, holds, fresh_first: bool = False, max_parked: int = MAX_PARKED):
-        self.n = n_chunks
+    def __init__(self, n_chunks: int, holds, fresh_first: bool = False, max_parked: int = MAX_PARKED,
+                 clock=time.monotonic, stripes=lambda: 1):
+        self.n, self.clock, self.stripes = n_chunks, clock, stripes  # stripes(): the plan's (chunk i: stripe i mod it)
         self.holds = holds  # index -> bool: whether this node holds a verified copy
         self.fresh_first = fresh_first
         self.max_parked = max_parked
         self.queues: dict[bytes, deque] = {}
         self.parked: dict[int, list[bytes]] = {}
         self.waiting: dict[bytes, set[int]] = {}  # per link: every chunk asked and not yet sent
+        self.asked: dict[bytes, dict[int, float]] = {}  # per link: stripe -> when it last asked for a chunk of it
         self.turn: deque = deque()  # round-robin order of links
         self.sent_count = [0] * n_chunks
 
@@ -43,12 +46,14 @@ class UploadScheduler:
         if link not in self.queues:
             self.queues[link] = deque()
             self.waiting[link] = set()
+            self.asked[link] = {}
             self.turn.append(link)
 
     def detach(self, link: bytes) -> None:
         """Forget ``link`` and everything it asked for."""
         if self.queues.pop(link, None) is None:
             return
+        del self.asked[link]
         for i in self.waiting.pop(link):
             waiters = self.parked.get(i)
             if waiters and link in waiters:
@@ -69,11 +74,12 @@ class UploadScheduler:
             raise ProtocolError("REQUEST from a connection that is not attached")
         if len(set(indices)) != len(indices):
             raise ProtocolError("REQUEST names a chunk twice")
-        waiting = self.waiting[link]
+        waiting, asked, now, k = self.waiting[link], self.asked[link], self.clock(), self.stripes()
         absent = []
         for i in indices:
             if not 0 <= i < self.n:
                 raise ProtocolError(f"requested chunk {i}, but the blob has {self.n}")
+            asked[i % k] = now
             if i in waiting:
                 continue  # asked again (a stall re-request): already waiting
             if len(waiting) >= self.max_parked:
@@ -106,6 +112,17 @@ class UploadScheduler:
         """This node now holds ``index``: every link parked on it may be sent it."""
         for link in self.parked.pop(index, ()):
             self.queues[link].append(index)
+
+    def pulling(self, link: bytes) -> set[int]:
+        """The stripes ``link`` pulls from us now: it asked for a chunk of them within ``PULLING`` seconds, or
+        did at all and has requests waiting here."""
+        asked = self.asked.get(link)
+        if not asked:
+            return set()
+        if self.waiting[link]:
+            return set(asked)
+        now = self.clock()
+        return {s for s, at in asked.items() if now - at < PULLING}
 
     def pending(self) -> bool:
         return any(self.queues.values())
@@ -153,42 +170,19 @@ class UploadScheduler:
 class Announcer:
     """When each attached partner hears of the chunks this node verified (sans-IO, clock injected).
 
-    A partner pulling a stripe from us (it asked us for a chunk of that stripe
-    within ``PULLING`` seconds, or did at all and has requests waiting here)
-    hears of that stripe's chunks at once: a planned child asks only
-    ``PARK_AHEAD`` chunks ahead of what we hold, so its next requests wait on
-    our HAVEs.  Everything else is told in batches every ``HAVE_DEFER``
-    seconds: partners read those HAVEs to judge whether their planned source
-    lags, to find help and to pick the rarest, none of which a tenth of a
-    second changes, while every message costs CPU at both ends (HAVEs were
-    about 70 % of a join's messages at N = 16, one per chunk per partner).
-    ``stripes()``: how many stripes the plan has (chunk i is in stripe i mod
-    that)."""
+    A partner pulling a stripe from us (``UploadScheduler.pulling``) hears of
+    that stripe's chunks at once: a planned child asks only ``PARK_AHEAD``
+    chunks ahead of what we hold, so its next requests wait on our HAVEs.
+    Everything else is told in batches every ``HAVE_DEFER`` seconds: partners
+    read those HAVEs to judge whether their planned source lags, to find help
+    and to pick the rarest, none of which a tenth of a second changes, while
+    every message costs CPU at both ends (HAVEs were about 70 % of a join's
+    messages at N = 16, one per chunk per partner)."""
 
-    def __init__(self, serve: UploadScheduler, clock, stripes=lambda: 1):
-        self.serve, self.clock, self.stripes = serve, clock, stripes
-        self.asked: dict[bytes, dict[int, float]] = {}  # partner -> stripe -> when it last asked us for one
+    def __init__(self, serve: UploadScheduler, clock):
+        self.serve, self.clock = serve, clock
         self.pending: dict[bytes, list[int]] = {}  # partner -> chunks it has not heard of yet
         self.due_at: float | None = None
-
-    def requested(self, link: bytes, indices) -> None:
-        now, k, asked = self.clock(), self.stripes(), self.asked.setdefault(link, {})
-        for i in indices:
-            asked[i % k] = now
-
-    def forget(self, link: bytes) -> None:
-        self.asked.pop(link, None)
-        self.pending.pop(link, None)
-
-    def pulling(self, link: bytes) -> set[int]:
-        """The stripes ``link`` pulls from us now."""
-        asked = self.asked.get(link)
-        if not asked:
-            return set()
-        if self.serve.waiting.get(link):
-            return set(asked)
-        now = self.clock()
-        return {s for s, at in asked.items() if now - at < PULLING}
 
     def tell(self, link: bytes, news, everything: bool = False):
         """What to tell ``link`` now of ``news`` (chunks it has not heard of): if one of them is of a stripe
@@ -198,9 +192,9 @@ class Announcer:
         if everything:
             self.pending.pop(link, None)
             return news
-        stripes = self.pulling(link)
+        stripes = self.serve.pulling(link)
         if stripes:
-            k = self.stripes()
+            k = self.serve.stripes()
             if len(stripes) >= k or any(i % k in stripes for i in news):
                 waited = self.pending.pop(link, None)
                 return waited + news if waited else news
@@ -211,9 +205,9 @@ class Announcer:
         return []
 
     def due(self) -> list[tuple[bytes, list[int]]]:
-        """The batches whose time has come: ``[(link, chunks), ...]``."""
+        """The batches whose time has come, for the partners still attached: ``[(link, chunks), ...]``."""
         if self.due_at is None or self.clock() < self.due_at:
             return []
         self.due_at = None
-        batches, self.pending = list(self.pending.items()), {}
-        return batches
+        batches, self.pending = self.pending, {}
+        return [(link, chunks) for link, chunks in batches.items() if self.serve.attached(link)]

@@ -93,16 +93,15 @@ def test_detach_forgets_everything_a_link_asked():
 
 def announcer(n=16, stripes=1):
     clock = [10.0]
-    s = UploadScheduler(n, held("1" * n))
+    s = UploadScheduler(n, held("1" * n), clock=lambda: clock[0], stripes=lambda: stripes)
     for link in (b"a", b"b"):
         s.attach(link)
-    return Announcer(s, lambda: clock[0], stripes=lambda: stripes), s, clock
+    return Announcer(s, lambda: clock[0]), s, clock
 
 
 def test_a_partner_pulling_from_us_hears_at_once_the_others_in_batches():
     a, s, clock = announcer()
     s.request(b"a", [0])
-    a.requested(b"a", [0])
     assert a.tell(b"a", [1]) == [1]  # it asked just now
     assert a.tell(b"b", [1]) == []  # it never asked: later
     assert a.tell(b"b", [2]) == []
@@ -115,12 +114,11 @@ def test_a_partner_pulling_from_us_hears_at_once_the_others_in_batches():
 def test_waiting_requests_keep_a_partner_pulling_however_long_ago_it_asked():
     a, s, clock = announcer()
     s.request(b"a", [3])  # parked or queued here: it waits on us
-    a.requested(b"a", [3])
     clock[0] += 10 * PULLING
     assert a.tell(b"a", [1]) == [1]
     drain(s)  # sent: nothing waits any more, and it asked long ago
     assert a.tell(b"a", [2]) == []
-    a.requested(b"a", [5])  # it asks again: what waited rides along with the next news
+    s.request(b"a", [5])  # it asks again: what waited rides along with the next news
     assert a.tell(b"a", [4]) == [2, 4]
     clock[0] += HAVE_DEFER
     assert a.due() == []
@@ -128,14 +126,14 @@ def test_waiting_requests_keep_a_partner_pulling_however_long_ago_it_asked():
 
 def test_only_the_stripes_a_partner_pulls_from_us_are_told_at_once():
     a, s, clock = announcer(stripes=2)
-    a.requested(b"a", [0, 2])  # stripe 0 (chunk i is in stripe i mod 2)
+    s.request(b"a", [0, 2])  # stripe 0 (chunk i is in stripe i mod 2)
     assert a.tell(b"a", [4, 5]) == [4, 5]  # a message goes for 4: 5 (stripe 1) rides along
     assert a.tell(b"a", [7]) == []  # stripe 1 alone: later
     assert a.tell(b"a", [6]) == [7, 6]  # what waited rides along: no message of its own
     assert a.tell(b"a", [9]) == []
     clock[0] += HAVE_DEFER
     assert a.due() == [(b"a", [9])]
-    a.requested(b"a", [1])  # helping with stripe 1 as well now
+    s.request(b"a", [1])  # helping with stripe 1 as well now
     assert a.tell(b"a", [10, 11]) == [10, 11]
 
 
@@ -143,6 +141,6 @@ def test_everything_replaces_what_waited_and_a_forgotten_partner_hears_nothing()
     a, s, clock = announcer(4)
     assert a.tell(b"a", [1]) == [] and a.tell(b"b", [1]) == []
     assert a.tell(b"a", range(4), everything=True) == range(4)
-    a.forget(b"b")
+    s.detach(b"b")
     clock[0] += HAVE_DEFER
     assert a.due() == []
