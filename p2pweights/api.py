@@ -23,6 +23,7 @@ from .modelcache import CacheTooSmall, ModelCache, describe_failure
 from .manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
 from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
+from .ring import ChunkRing
 from .store import SourceStore, SpaceError, Store, StoreClosed, blob_backing
 from .formats import checkpoint_files, scan as scan_checkpoint
 from .source import BlobSource, sending_read_bytes
@@ -585,7 +586,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         link, tracker_addr, welcome, manifest = _handshake_remembered(ctx, parent, hello, model_id,
                                                                       connect_timeout, key, cache, retry_now, where)
         disk, store, lock, target, layout = _open_copy(manifest, out, cache, hf_cache, verify, memory_budget,
-                                                       where)
+                                                       where, ring=device is None)
     except Exception:
         router.close(0)
         gate and gate.stop()
@@ -647,8 +648,11 @@ def _refuse_remembered(cache: ModelCache, wanted: str, where: str) -> None:
         raise P2PError(describe_failure(rec, cache.failures))
 
 
-def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where):
+def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, ring: bool):
     """The copy this join writes: ``(DiskCache or None, Store, CopyLock or None, directory, layout)``.
+
+    ``ring``: files on disk are received, written and served through a ``ring.ChunkRing`` where they can be
+    written around the page cache (not for a device sink, which reads the store later, on its own thread).
 
     In the model cache's own folder, room is made first (eviction); the copy is locked for writing and
     the cache told of it.  Nothing is left behind on failure; not enough disk is remembered."""
@@ -665,8 +669,9 @@ def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where):
                 manifest, target, copy_paths(manifest, target, names)))
             cache.remember(manifest, target, layout)
         # with out, the destination files are the store (mapped); else memory, or a temp file over the budget
-        disk = DiskCache(manifest, target, verify=verify, names=names) if target is not None else None
-        store = (Store(manifest, disk.filemap.buffer, files=disk) if disk is not None
+        disk = DiskCache(manifest, target, verify=verify, names=names, direct=ring) if target is not None else None
+        store = (Store(manifest, disk.filemap.buffer, files=disk,
+                       ring=ChunkRing(manifest.chunk_size) if disk.direct else None) if disk is not None
                  else Store(manifest, blob_backing(manifest.total_size, memory_budget)))
     except Exception as e:
         disk and disk.close()

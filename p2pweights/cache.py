@@ -6,8 +6,11 @@ nothing is written) and mapped shared at its blob offset (``store.FileMap``),
 so children and readers are served from the files' page cache.  Each chunk
 is verified in its network buffer and only then written into its files
 (``pwrite``: see ``Store.write``), and the kernel writes the pages back.
-Nothing copies the bytes a second time, and no unverified byte reaches a
-file.  When every chunk covering a file is verified, a
+With ``direct`` (a join with a ``ring.ChunkRing``) a chunk is verified in
+a ring slot instead and written from there around the page cache
+(``write_direct``: ``O_DIRECT``, only a file's last partial page through
+the cache), so the copy never fills the page cache.  Nothing copies the
+bytes a second time, and no unverified byte reaches a file.  When every chunk covering a file is verified, a
 finisher thread fsyncs it and renames it to its final name (the blob layout
 puts small files first, so config and tokenizer are final within the first
 chunks).  It also starts writeback of verified chunks as they come
@@ -30,7 +33,9 @@ Everything p2pw keeps about a copy lives under ``out/.p2pw/`` (also
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
+import mmap
 import os
 import queue
 import tempfile
@@ -51,6 +56,7 @@ PROGRESS_EVERY = 1.0  # seconds between progress.json updates (each a temporary 
 WRITE_BACK_EVERY = 4 << 20  # writeback of verified chunks is started every this many bytes (the last batch
 #                             is what the final fsync waits for: eight joins on one disk wrote 16 MiB each then)
 SYNC_FILE_RANGE_WRITE = 2
+DIRECT_ALIGN = 4096  # O_DIRECT: memory, file offset and length on this grid (every block size in use divides it)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
@@ -142,11 +148,32 @@ def marker_matches(manifest, out: str, paths: list[str] | None = None) -> bool:
     return True
 
 
+def open_direct(paths: list[str]) -> dict[int, int]:
+    """``paths`` opened for O_DIRECT writes (index -> fd); none where the filesystem refuses it (tmpfs)."""
+    fds: dict[int, int] = {}
+    try:
+        for i, path in enumerate(paths):
+            fds[i] = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        return fds
+    except OSError as e:
+        for fd in fds.values():
+            os.close(fd)
+        if e.errno != errno.EINVAL:
+            raise
+        return {}
+
+
+def _pwrite_all(fd: int, view, at: int) -> None:
+    while len(view):
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n
+
+
 class DiskCache:
     """The files of ``manifest`` under ``out`` as one mapped blob (``filemap``), finalised file by file."""
 
     def __init__(self, manifest, out: str, verify: str = "marker", on_error=None,
-                 names: list[str] | None = None):
+                 names: list[str] | None = None, direct: bool = False):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
         self.manifest = manifest
@@ -158,6 +185,10 @@ class DiskCache:
         self.paths = copy_paths(manifest, self.out, names)
         self.final = [False] * len(manifest.files)  # file i is under its final name
         self.fds: dict[int, int] = {}  # open while file i is not final
+        # direct: the files are open for O_DIRECT too (``write_direct``, from a ring slot), where the filesystem
+        # takes it, chunks start on its grid, and nothing was read through the page cache (no resume)
+        self.direct = direct and manifest.chunk_size % DIRECT_ALIGN == 0
+        self.direct_fds: dict[int, int] = {}  # open while file i is not final
         self.finished = threading.Event()
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.resuming = False
@@ -173,6 +204,7 @@ class DiskCache:
             self.complete = True
             self.final = [True] * len(manifest.files)
             self.filemap = self._map(os.O_RDONLY, writable=False)
+            self.direct = False
             self.finished.set()
             return
         self.left = [len(manifest.chunks_covering(f["offset"], f["offset"] + f["size"])) for f in manifest.files]
@@ -222,9 +254,14 @@ class DiskCache:
                     os.ftruncate(fd, size)
                 if size:
                     os.posix_fallocate(fd, 0, size)
+            if self.direct and not self.resuming:
+                self.direct_fds = open_direct([p + PARTIAL for p in self.paths])
+            self.direct = bool(self.direct_fds)
             self.filemap = FileMap(self.manifest.total_size,
                                    [(self.fds[i], f["offset"], f["size"]) for i, f in enumerate(self.manifest.files)],
                                    writable=True)
+            if self.direct:  # no read-ahead through the mapping: it would cache what O_DIRECT is yet to write
+                self.filemap.buffer.madvise(mmap.MADV_RANDOM)
         except OSError as e:
             self.close()
             for name in created:
@@ -284,10 +321,27 @@ class DiskCache:
                 continue
             f = self.manifest.files[i]
             a, b = max(lo, f["offset"]), min(hi, f["offset"] + f["size"])
-            view, at = data[a - lo:b - lo], a - f["offset"]
-            while len(view):
-                n = os.pwrite(fd, view, at)
-                view, at = view[n:], at + n
+            _pwrite_all(fd, data[a - lo:b - lo], a - f["offset"])
+
+    def write_direct(self, index: int, data) -> None:
+        """Like ``write_chunk``, from page-aligned memory (a ring slot), around the page cache: O_DIRECT on the
+        4 KiB grid, through the page cache only a file's unaligned end (and a file's first chunk is aligned: the
+        blob layout starts every file on the grid)."""
+        lo, hi = self.manifest.chunk_span(index)
+        for i in self.chunk_files[index]:
+            fd = self.fds.get(i)
+            if fd is None:  # final already
+                continue
+            o = self.manifest.files[i]["offset"]
+            a, b = max(lo, o) - o, min(hi, o + self.manifest.files[i]["size"]) - o  # in the file
+            cut = max(b // DIRECT_ALIGN * DIRECT_ALIGN, a)
+            try:
+                _pwrite_all(self.direct_fds[i], data[o + a - lo: o + cut - lo], a)
+            except OSError as e:  # blocks larger than the grid: through the page cache after all
+                if e.errno != errno.EINVAL:
+                    raise
+                _pwrite_all(fd, data[o + a - lo: o + cut - lo], a)
+            _pwrite_all(fd, data[o + cut - lo: o + b - lo], cut)
 
     def put(self, index: int, data: memoryview) -> None:
         """Chunk ``index`` is verified (its bytes are already in the mapped files): count it, finish files."""
@@ -318,7 +372,7 @@ class DiskCache:
                 if item is None:
                     return
                 kind, n = item
-                if kind == "chunks":
+                if kind == "chunks" and not self.direct:  # (direct: only files' last pages are cached)
                     self._write_back(n)
                 elif kind == "file":
                     self._finish_file(n)
@@ -358,7 +412,9 @@ class DiskCache:
 
     def _finish_file(self, i: int) -> None:
         """Every chunk of file ``i`` is verified: fsync it and give it its final name."""
-        fd = self.fds.pop(i, None)
+        fd, direct_fd = self.fds.pop(i, None), self.direct_fds.pop(i, None)
+        if direct_fd is not None:
+            os.close(direct_fd)
         if fd is not None:
             try:
                 os.fsync(fd)
@@ -395,12 +451,13 @@ class DiskCache:
         if not self.finished.is_set() and self.thread is not None and threading.current_thread() is not self.thread:
             self.queue.put(None)
             self.thread.join(5)
-        for fd in self.fds.values():
+        for fd in [*self.fds.values(), *self.direct_fds.values()]:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self.fds.clear()
+        self.direct_fds.clear()
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once every file is complete under its final name and the marker is written."""

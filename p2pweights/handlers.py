@@ -147,14 +147,21 @@ class Handlers:
                 log.warning("partner rank %d sent chunk %d, which we did not ask it for: dropped", link.rank, index)
             return
         link.last_chunk = n.clock()
+        slot = None
         if n.store.in_place:  # memory: received straight into the blob, verified there
             data = n.store.chunk(index)
             got = sock.recv_into(data)
             size = len(data)
-        else:  # files: verified in the network buffer, then written (Store.write says why)
-            data = sock.recv(copy=False).buffer
+        else:  # files: verified in a ring slot or the network buffer, then written (Store.write says why)
             lo, hi = n.manifest.chunk_span(index)
-            got, size = len(data), hi - lo
+            size = hi - lo
+            if n.store.ring is not None:
+                slot, data = n.store.ring.take(size)
+            if slot is not None:
+                got = sock.recv_into(data)
+            else:
+                data = sock.recv(copy=False).buffer
+                got = len(data)
         _discard_rest(sock)
         n.stats.chunks_received += 1
         n.stats.bytes_received += got
@@ -163,7 +170,7 @@ class Handlers:
         ok = got == size and n.digest(data) == n.manifest.chunks[index]
         if ok and not n.store.in_place:
             try:
-                n.store.write(index, data)
+                n.store.write(index, data, slot)
             except OSError as e:
                 n._fail(f"writing chunk {index} into the local copy failed: {e.strerror or e}")
                 return

@@ -306,10 +306,11 @@ class Node:
 
     # ----- sending -------------------------------------------------------
 
-    def _send(self, ident: bytes, *frames, copy=True) -> bool:
+    def _send(self, ident: bytes, *frames, copy=True, track=False):
+        """True (with ``track``: the send's ``zmq.MessageTracker``), or False if it would block or ``ident`` is
+        gone."""
         try:
-            self.router.send_multipart([ident, *frames], flags=NOBLOCK, copy=copy)
-            return True
+            return self.router.send_multipart([ident, *frames], flags=NOBLOCK, copy=copy, track=track) or True
         except zmq.Again:
             return False
         except zmq.ZMQError as e:
@@ -320,12 +321,15 @@ class Node:
 
     def _send_chunk(self, ident: bytes, index: int) -> bool:
         """Send chunk ``index`` to ``ident``; False if it would block (try again later)."""
-        data = self.store.chunk(index)
+        slot, data = self.store.outgoing(index)
         if self.faults is not None:
             data = self.faults.outgoing(index, data)
             if data is None:
                 return True
-        if self._send(ident, protocol.chunk_header(index), data, copy=False):
+        sent = self._send(ident, protocol.chunk_header(index), data, copy=False, track=slot is not None)
+        if sent:
+            if slot is not None:
+                self.store.ring.pin(slot, sent)
             self.stats.chunks_sent += 1
             self.stats.bytes_sent += len(data)
             self.serve.sent(index)

@@ -8,7 +8,9 @@ mapped shared at its blob offset, so received bytes land in the page cache of
 the destination file and the kernel writes them back; a seeder maps its
 source files read-only), by anonymous memory (``host_buffer``) for a blob
 that fits the memory budget, or by an unlinked temporary file
-(``temp_backing``) for one that does not.  A chunk's bit is
+(``temp_backing``) for one that does not.  A join writing files may also
+hold the chunks it verified last in a ``ring.ChunkRing``: ``outgoing`` serves
+a chunk from its slot while one holds it.  A chunk's bit is
 set only after its hash matched; nothing reads an unset chunk.  Readers in
 other threads block in ``wait_chunks`` until their chunks are verified (and
 every sink that tracks readiness has them).  The node's event loop is the only
@@ -209,10 +211,11 @@ class Store:
 
     writable = True  # chunks may be written into ``chunk(i)`` (received, or read from a source)
 
-    def __init__(self, manifest, buffer=None, files=None):
+    def __init__(self, manifest, buffer=None, files=None, ring=None):
         self.manifest = manifest
         self.buffer = buffer if buffer is not None else blob_backing(manifest.total_size)
         self.files = files  # the copy's files (cache.DiskCache) ``buffer`` maps, or None: memory
+        self.ring = ring  # ring.ChunkRing: the last chunks, received, written and served from reused slots
         self.view = memoryview(self.buffer).cast("B")
         if len(self.view) < manifest.total_size:
             raise ValueError(f"buffer of {len(self.view)} bytes cannot hold a {manifest.total_size}-byte blob")
@@ -228,8 +231,18 @@ class Store:
         self.write_seconds = 0.0  # CPU seconds ``write`` spent (on a VM that backs new pages lazily: most of a join's)
 
     def chunk(self, index: int) -> memoryview:
+        """Chunk ``index``'s bytes to send: a ring slot if one holds it, else the buffer."""
+        return self.outgoing(index)[1]
+
+    def outgoing(self, index: int):
+        """``(ring slot or None, bytes)`` of chunk ``index``, for a send (which pins the slot while it reads)."""
         lo, hi = self.manifest.chunk_span(index)
-        return self.view[lo:hi]
+        if self.ring is not None:
+            slot, view = self.ring.view(index, hi - lo)
+            if slot is not None:
+                return slot, view
+            self.buffer.madvise(mmap.MADV_WILLNEED, lo, hi - lo)  # the files: read the chunk back at once
+        return None, self.view[lo:hi]
 
     def has(self, index: int) -> bool:
         return bool(self.have[index])
@@ -239,9 +252,10 @@ class Store:
         """Whether chunks are received straight into ``chunk(i)`` (memory), not handed to ``write``."""
         return self.files is None
 
-    def write(self, index: int, data) -> None:
+    def write(self, index: int, data, slot: int | None = None) -> None:
         """Put verified chunk ``index`` into the files behind the buffer (OSError if they refuse); only for a
-        store that is not ``in_place``.
+        store that is not ``in_place``.  From ring ``slot`` (``ring.ChunkRing.take``): written around the page
+        cache, and the slot holds it from now on.
 
         By ``pwrite``, not by copying into the mapping: faulting a shared file
         mapping's pages in for writing (read-around of the preallocated blocks,
@@ -252,7 +266,11 @@ class Store:
         them.
         """
         began = time.thread_time()
-        self.files.write_chunk(index, data)
+        if slot is None:
+            self.files.write_chunk(index, data)
+        else:
+            self.files.write_direct(index, data)
+            self.ring.hold(slot, index)
         self.write_seconds += time.thread_time() - began
 
     @property
@@ -267,7 +285,8 @@ class Store:
         """Mark chunk ``index`` verified (its hash matched), hand it to sinks, wake waiters."""
         if self.have[index]:
             return
-        data = self.chunk(index)
+        lo, hi = self.manifest.chunk_span(index)
+        data = self.view[lo:hi]  # (a sink that copies later must not read a ring slot, which is reused)
         for sink in self.sinks:
             sink.put(index, data)
         now = time.monotonic()
@@ -283,6 +302,8 @@ class Store:
 
     def close(self) -> None:
         """Unmap the backing now if no view of it is still in use (else when the last one goes)."""
+        if self.ring is not None:
+            self.ring.close()
         try:
             self.view.release()
             if hasattr(self.buffer, "close"):

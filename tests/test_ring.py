@@ -1,0 +1,125 @@
+"""The ring of reused chunk slots (sans-IO), and a copy written through it: O_DIRECT files, chunks served from
+slots while they last and read back from the files after."""
+import ctypes
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from p2pweights.cache import DiskCache
+from p2pweights.chunker import build
+from p2pweights.ring import ChunkRing
+from p2pweights.store import Store
+
+C = 64 << 10
+
+
+class Tracker:
+    """Stands in for ``zmq.MessageTracker``: ``done`` once ZeroMQ no longer reads the frame."""
+
+    def __init__(self):
+        self.done = False
+
+
+def test_slots_are_taken_oldest_first_and_drop_what_they_held():
+    ring = ChunkRing(C, slots=3)
+    for index in range(3):
+        slot, view = ring.take(C)
+        assert len(view) == C and slot == index
+        view[:] = bytes([index]) * C
+        ring.hold(slot, index)
+    assert bytes(ring.view(1, C)[1]) == b"\x01" * C
+    slot, _ = ring.take(100)  # the oldest slot: chunk 0 is no longer held
+    assert slot == 0 and ring.view(0, C) == (None, None) and ring.view(2, C)[0] == 2
+
+
+def test_a_slot_being_sent_from_is_not_reused_until_the_send_is_done():
+    ring = ChunkRing(C, slots=2)
+    for index in range(2):
+        slot, _ = ring.take(C)
+        ring.hold(slot, index)
+    sending = Tracker()
+    ring.pin(0, sending)
+    assert ring.take(C)[0] == 1  # slot 0 skipped: ZeroMQ still reads chunk 0 from it
+    assert ring.view(0, C)[0] == 0
+    ring.pin(1, Tracker())
+    assert ring.take(C) == (None, None)  # every slot pinned: the caller receives the old way
+    sending.done = True
+    assert ring.take(C)[0] == 0 and ring.view(0, C) == (None, None)
+
+
+def test_pins_of_finished_sends_do_not_pile_up_on_a_slot_served_over_and_over():
+    ring = ChunkRing(C, slots=1)
+    slot, _ = ring.take(C)
+    ring.hold(slot, 7)
+    for _ in range(1000):
+        t = Tracker()
+        ring.pin(slot, t)
+        t.done = True
+    assert len(ring.pins[slot]) <= 16
+
+
+def test_slots_are_page_aligned_for_o_direct():
+    ring = ChunkRing(C + 100, slots=4)  # a chunk size off the page grid still gets aligned slots
+    base = ctypes.addressof(ctypes.c_char.from_buffer(ring.buffer))
+    assert base % 4096 == 0 and ring.stride % 4096 == 0
+    ring.close()
+
+
+@pytest.fixture
+def src(tmp_path):
+    rng = np.random.default_rng(5)
+    root = tmp_path / "src"
+    root.mkdir()
+    # files that end off the 4 KiB grid, one smaller than a chunk, one spanning many
+    for name, size in {"a.json": 3000, "b.bin": 5 * C + 123, "c.bin": C // 2 + 7}.items():
+        (root / name).write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    return root
+
+
+@pytest.fixture(params=["disk", "tmpfs"])
+def out(request, tmp_path):
+    """Where the copy goes: the test's directory (ext4 here), or tmpfs (which takes O_DIRECT since Linux 6.6
+    and caches it all the same)."""
+    if request.param == "disk":
+        yield tmp_path / "out"
+        return
+    with open("/proc/mounts") as f:
+        if not any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in f):
+            pytest.skip("no tmpfs at /dev/shm here")
+    path = Path(f"/dev/shm/p2pw-ring-test-{os.getpid()}")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_copy_through_the_ring_is_byte_exact_and_serves_evicted_chunks_from_the_files(src, out):
+    m, _, _ = build(src, C)
+    data = bytearray(m.total_size)
+    for f in m.files:
+        data[f["offset"]: f["offset"] + f["size"]] = (src / f["name"]).read_bytes()
+    cache = DiskCache(m, out, direct=True)
+    if not cache.direct:
+        cache.close()
+        pytest.skip(f"{out} does not take O_DIRECT")
+    ring = ChunkRing(m.chunk_size, slots=2)
+    store = Store(m, cache.filemap.buffer, files=cache, ring=ring)
+    store.sinks.append(cache)
+    assert not store.in_place
+    for i in reversed(range(m.n_chunks)):  # out of order, as a swarm delivers
+        lo, hi = m.chunk_span(i)
+        slot, view = ring.take(hi - lo)
+        view[:] = data[lo:hi]
+        store.write(i, view, slot)
+        store.verified(i)
+        assert bytes(store.chunk(i)) == bytes(data[lo:hi])  # served from its slot
+    assert ring.view(m.n_chunks - 1, 1) == (None, None)  # evicted long ago: served from the files
+    for i in range(m.n_chunks):
+        lo, hi = m.chunk_span(i)
+        assert bytes(store.chunk(i)) == bytes(data[lo:hi])
+    assert cache.wait(10)
+    for f in m.files:
+        assert (out / f["name"]).read_bytes() == (src / f["name"]).read_bytes()
+    cache.close()
+    store.close()
