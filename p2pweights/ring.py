@@ -40,6 +40,8 @@ class ChunkRing:
         self.chunk_in = [-1] * self.slots  # slot -> chunk it holds, or -1
         self.pins: list[list] = [[] for _ in range(self.slots)]  # slot -> trackers of sends reading it
         self.next = 0  # slots are taken round-robin from here: the oldest chunk goes first
+        self.held = self.full = 0  # chunks held in a slot; chunks received the old way, every slot pinned
+        self.hits = self.misses = 0  # sends from a slot; sends of a chunk no slot held any more (from the files)
 
     def take(self, size: int):
         """``(slot, view of size bytes)`` to receive a chunk into, dropping what the slot held; ``(None, None)``
@@ -57,18 +59,22 @@ class ChunkRing:
                 self.chunk_in[slot] = -1
             self.next = (slot + 1) % self.slots
             return slot, self.memory[slot * self.stride: slot * self.stride + size]
+        self.full += 1
         return None, None
 
     def hold(self, slot: int, index: int) -> None:
         """Chunk ``index``, verified and on disk, is what ``slot`` holds now."""
         self.slot_of[index] = slot
         self.chunk_in[slot] = index
+        self.held += 1
 
     def view(self, index: int, size: int):
         """``(slot, view)`` of chunk ``index`` if a slot holds it, else ``(None, None)``."""
         slot = self.slot_of.get(index)
         if slot is None:
+            self.misses += 1
             return None, None
+        self.hits += 1
         return slot, self.memory[slot * self.stride: slot * self.stride + size]
 
     def pin(self, slot: int, tracker) -> None:
@@ -77,6 +83,11 @@ class ChunkRing:
         if len(pins) >= 16:  # a slot served over and over (the join is complete): keep only live sends
             pins[:] = [t for t in pins if not t.done]
         pins.append(tracker)
+
+    def report(self) -> dict:
+        """What the ring did, for ``--report``."""
+        return {"slots": self.slots, "held": self.held, "full": self.full, "sent_from_slots": self.hits,
+                "sent_from_files": self.misses}
 
     def close(self) -> None:
         try:

@@ -50,6 +50,8 @@ def test_directory_to_n_peers(procs, tmp_path, model_dir, peers):
         assert len(r["parents"]) == 2  # the default plan: two interior-disjoint stripe trees
         assert seed["peers"][str(r["rank"])]["done"]
         assert r["write_cpu_seconds"] >= 0  # the loop's CPU writing the copy into its files (--out)
+        if r["ring"] is not None:  # a filesystem that takes O_DIRECT: chunks went through the ring's slots
+            assert 0 < r["ring"]["held"] <= r["received"]
     # the seeder has one slot per stripe, so it sends at most what a star would; on loopback a peer can
     # finish (and leave) before the next one has started (a 6 MB copy takes some 20 ms there, a join
     # starts in 100; since a done join leaves at once rather than at its loop's next timeout, all three

@@ -33,6 +33,7 @@ def test_slots_are_taken_oldest_first_and_drop_what_they_held():
     assert bytes(ring.view(1, C)[1]) == b"\x01" * C
     slot, _ = ring.take(100)  # the oldest slot: chunk 0 is no longer held
     assert slot == 0 and ring.view(0, C) == (None, None) and ring.view(2, C)[0] == 2
+    assert ring.report() == {"slots": 3, "held": 3, "full": 0, "sent_from_slots": 2, "sent_from_files": 1}
 
 
 def test_a_slot_being_sent_from_is_not_reused_until_the_send_is_done():
@@ -46,6 +47,7 @@ def test_a_slot_being_sent_from_is_not_reused_until_the_send_is_done():
     assert ring.view(0, C)[0] == 0
     ring.pin(1, Tracker())
     assert ring.take(C) == (None, None)  # every slot pinned: the caller receives the old way
+    assert ring.report()["full"] == 1 and ring.report()["held"] == 2
     sending.done = True
     assert ring.take(C)[0] == 0 and ring.view(0, C) == (None, None)
 
