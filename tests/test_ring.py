@@ -96,7 +96,9 @@ def out(request, tmp_path):
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_copy_through_the_ring_is_byte_exact_and_serves_evicted_chunks_from_the_files(src, out):
+def ring_copy(src, out, slots: int):
+    """A copy of ``src`` into ``out`` written through a ring of ``slots`` (skipped where ``out`` refuses
+    O_DIRECT): the manifest, the blob's bytes, the cache, the ring and the store."""
     m, _, _ = build(src, C)
     data = bytearray(m.total_size)
     for f in m.files:
@@ -105,9 +107,22 @@ def test_copy_through_the_ring_is_byte_exact_and_serves_evicted_chunks_from_the_
     if not cache.direct:
         cache.close()
         pytest.skip(f"{out} does not take O_DIRECT")
-    ring = ChunkRing(m.chunk_size, slots=2)
+    ring = ChunkRing(m.chunk_size, slots=slots)
     store = Store(m, cache.filemap.buffer, files=cache, ring=ring)
     store.sinks.append(cache)
+    return m, data, cache, ring, store
+
+
+def assert_files_final_and_exact(src, out, m, cache, store):
+    assert cache.wait(10)
+    for f in m.files:
+        assert (out / f["name"]).read_bytes() == (src / f["name"]).read_bytes()
+    cache.close()
+    store.close()
+
+
+def test_copy_through_the_ring_is_byte_exact_and_serves_evicted_chunks_from_the_files(src, out):
+    m, data, cache, ring, store = ring_copy(src, out, slots=2)
     assert not store.in_place
     for i in reversed(range(m.n_chunks)):  # out of order, as a swarm delivers
         lo, hi = m.chunk_span(i)
@@ -120,26 +135,12 @@ def test_copy_through_the_ring_is_byte_exact_and_serves_evicted_chunks_from_the_
     for i in range(m.n_chunks):
         lo, hi = m.chunk_span(i)
         assert bytes(store.chunk(i)) == bytes(data[lo:hi])
-    assert cache.wait(10)
-    for f in m.files:
-        assert (out / f["name"]).read_bytes() == (src / f["name"]).read_bytes()
-    cache.close()
-    store.close()
+    assert_files_final_and_exact(src, out, m, cache, store)
 
 
 def test_with_every_slot_being_sent_from_chunks_go_through_the_page_cache_and_the_copy_is_exact(src, tmp_path):
-    m, _, _ = build(src, C)
-    data = bytearray(m.total_size)
-    for f in m.files:
-        data[f["offset"]: f["offset"] + f["size"]] = (src / f["name"]).read_bytes()
     out = tmp_path / "out"
-    cache = DiskCache(m, out, direct=True)
-    if not cache.direct:
-        cache.close()
-        pytest.skip(f"{tmp_path} does not take O_DIRECT")
-    ring = ChunkRing(m.chunk_size, slots=1)
-    store = Store(m, cache.filemap.buffer, files=cache, ring=ring)
-    store.sinks.append(cache)
+    m, data, cache, ring, store = ring_copy(src, out, slots=1)
     sending = Tracker()
     for i in range(m.n_chunks):  # slot 0 stays pinned from chunk 1 on: a partner that stopped reading
         lo, hi = m.chunk_span(i)
@@ -153,8 +154,4 @@ def test_with_every_slot_being_sent_from_chunks_go_through_the_page_cache_and_th
         store.verified(i)
         assert bytes(store.chunk(i)) == bytes(data[lo:hi])
     assert ring.report()["held"] == 1 and ring.report()["full"] == m.n_chunks - 1
-    assert cache.wait(10)
-    for f in m.files:
-        assert (out / f["name"]).read_bytes() == (src / f["name"]).read_bytes()
-    cache.close()
-    store.close()
+    assert_files_final_and_exact(src, out, m, cache, store)
