@@ -122,7 +122,9 @@ def spray(port: int, n_chunks: int, connections: int = 3) -> None:
     try:
         for _ in range(connections):
             d = ctx.socket(zmq.DEALER)
-            d.setsockopt(zmq.LINGER, 0)
+            # sent, not dropped at close: with LINGER 0 a close before the connection is up discards what is
+            # queued (CI once saw a relay get none of it, so it never logged the 'unknown peer' a test waits for)
+            d.setsockopt(zmq.LINGER, 5000)
             d.connect(f"tcp://127.0.0.1:{port}")
             for frames in garbage_messages(n_chunks):
                 d.send_multipart(frames)
