@@ -188,7 +188,7 @@ class DiskCache:
         self.fds: dict[int, int] = {}  # open while file i is not final
         # direct: the files are open for O_DIRECT too (``write_direct``, from a ring slot), where the filesystem
         # takes it, chunks start on its grid, and nothing was read through the page cache (no resume)
-        self.direct = direct and manifest.chunk_size % DIRECT_ALIGN == 0
+        self.direct = False
         self.direct_fds: dict[int, int] = {}  # open while file i is not final
         self.finished = threading.Event()
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -205,7 +205,6 @@ class DiskCache:
             self.complete = True
             self.final = [True] * len(manifest.files)
             self.filemap = self._map(os.O_RDONLY, writable=False)
-            self.direct = False
             self.finished.set()
             return
         self.left = [len(manifest.chunks_covering(f["offset"], f["offset"] + f["size"])) for f in manifest.files]
@@ -213,7 +212,7 @@ class DiskCache:
         for i, f in enumerate(manifest.files):
             for c in manifest.chunks_covering(f["offset"], f["offset"] + f["size"]):
                 self.chunk_files[c].append(i)
-        self._preallocate()
+        self._preallocate(direct and manifest.chunk_size % DIRECT_ALIGN == 0)
         self.thread = threading.Thread(target=self._run, name="p2pw-finish", daemon=True)
         self.thread.start()
         for i, n in enumerate(self.left):
@@ -225,7 +224,7 @@ class DiskCache:
     def _marker_matches(self) -> bool:
         return marker_matches(self.manifest, self.out, self.paths)
 
-    def _preallocate(self) -> None:
+    def _preallocate(self, direct: bool) -> None:
         """Check the free space, then create (or reopen) every file at its full size, blocks allocated."""
         needed = 0
         for f, path in zip(self.manifest.files, self.paths):
@@ -255,9 +254,9 @@ class DiskCache:
                     os.ftruncate(fd, size)
                 if size:
                     os.posix_fallocate(fd, 0, size)
-            if self.direct and not self.resuming:
+            if direct and not self.resuming:
                 self.direct_fds = open_direct([p + PARTIAL for p in self.paths])
-            self.direct = bool(self.direct_fds)
+                self.direct = bool(self.direct_fds)
             self.filemap = FileMap(self.manifest.total_size,
                                    [(self.fds[i], f["offset"], f["size"]) for i, f in enumerate(self.manifest.files)],
                                    writable=True)
@@ -315,34 +314,32 @@ class DiskCache:
 
     def write_chunk(self, index: int, data) -> None:
         """Write chunk ``index``'s verified bytes ``data`` into the files it covers (``Store.write``)."""
-        lo, hi = self.manifest.chunk_span(index)
-        for i in self.chunk_files[index]:
-            fd = self.fds.get(i)
-            if fd is None:  # final already: it holds every byte of its chunks
-                continue
-            f = self.manifest.files[i]
-            a, b = max(lo, f["offset"]), min(hi, f["offset"] + f["size"])
-            _pwrite_all(fd, data[a - lo:b - lo], a - f["offset"])
+        for i, at, piece in self._pieces(index, data):
+            _pwrite_all(self.fds[i], piece, at)
 
     def write_direct(self, index: int, data) -> None:
         """Like ``write_chunk``, from page-aligned memory (a ring slot), around the page cache: O_DIRECT on the
-        4 KiB grid, through the page cache only a file's unaligned end (and a file's first chunk is aligned: the
-        blob layout starts every file on the grid)."""
-        lo, hi = self.manifest.chunk_span(index)
-        for i in self.chunk_files[index]:
-            fd = self.fds.get(i)
-            if fd is None:  # final already
-                continue
-            o = self.manifest.files[i]["offset"]
-            a, b = max(lo, o) - o, min(hi, o + self.manifest.files[i]["size"]) - o  # in the file
-            cut = max(b // DIRECT_ALIGN * DIRECT_ALIGN, a)
+        4 KiB grid, through the page cache only a file's unaligned end (a piece starts on the grid: chunks do,
+        and the blob layout starts every file there)."""
+        for i, at, piece in self._pieces(index, data):
+            cut = (at + len(piece)) // DIRECT_ALIGN * DIRECT_ALIGN - at
             try:
-                _pwrite_all(self.direct_fds[i], data[o + a - lo: o + cut - lo], a)
+                _pwrite_all(self.direct_fds[i], piece[:cut], at)
             except OSError as e:  # blocks larger than the grid: through the page cache after all
                 if e.errno != errno.EINVAL:
                     raise
-                _pwrite_all(fd, data[o + a - lo: o + cut - lo], a)
-            _pwrite_all(fd, data[o + cut - lo: o + b - lo], cut)
+                _pwrite_all(self.fds[i], piece[:cut], at)
+            _pwrite_all(self.fds[i], piece[cut:], at + cut)
+
+    def _pieces(self, index: int, data):
+        """``(file, offset in it, bytes)`` of chunk ``index`` (``data``) in each file it covers that is not
+        final yet (a final one holds every byte of its chunks)."""
+        lo, hi = self.manifest.chunk_span(index)
+        for i in self.chunk_files[index]:
+            if i in self.fds:
+                o = self.manifest.files[i]["offset"]
+                a, b = max(lo, o), min(hi, o + self.manifest.files[i]["size"])
+                yield i, a - o, data[a - lo:b - lo]
 
     def put(self, index: int, data: memoryview) -> None:
         """Chunk ``index`` is verified (its bytes are already in the mapped files): count it, finish files."""

@@ -231,11 +231,12 @@ class Store:
         self.write_seconds = 0.0  # CPU seconds ``write`` spent (on a VM that backs new pages lazily: most of a join's)
 
     def chunk(self, index: int) -> memoryview:
-        """Chunk ``index``'s bytes to send: a ring slot if one holds it, else the buffer."""
-        return self.outgoing(index)[1]
+        lo, hi = self.manifest.chunk_span(index)
+        return self.view[lo:hi]
 
     def outgoing(self, index: int):
-        """``(ring slot or None, bytes)`` of chunk ``index``, for a send (which pins the slot while it reads)."""
+        """``(ring slot or None, bytes)`` of chunk ``index`` for a send (which pins the slot while it reads): a
+        ring slot if one holds it, else the buffer."""
         lo, hi = self.manifest.chunk_span(index)
         if self.ring is not None:
             slot, view = self.ring.view(index, hi - lo)
@@ -285,8 +286,7 @@ class Store:
         """Mark chunk ``index`` verified (its hash matched), hand it to sinks, wake waiters."""
         if self.have[index]:
             return
-        lo, hi = self.manifest.chunk_span(index)
-        data = self.view[lo:hi]  # (a sink that copies later must not read a ring slot, which is reused)
+        data = self.chunk(index)  # the buffer, never a ring slot: a sink may copy later, and a slot is reused
         for sink in self.sinks:
             sink.put(index, data)
         now = time.monotonic()

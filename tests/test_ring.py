@@ -130,11 +130,11 @@ def test_copy_through_the_ring_is_byte_exact_and_serves_evicted_chunks_from_the_
         view[:] = data[lo:hi]
         store.write(i, view, slot)
         store.verified(i)
-        assert bytes(store.chunk(i)) == bytes(data[lo:hi])  # served from its slot
+        assert bytes(store.outgoing(i)[1]) == bytes(data[lo:hi])  # served from its slot
     assert ring.view(m.n_chunks - 1, 1) == (None, None)  # evicted long ago: served from the files
     for i in range(m.n_chunks):
         lo, hi = m.chunk_span(i)
-        assert bytes(store.chunk(i)) == bytes(data[lo:hi])
+        assert bytes(store.outgoing(i)[1]) == bytes(data[lo:hi])
     assert_files_final_and_exact(src, out, m, cache, store)
 
 
@@ -152,6 +152,6 @@ def test_with_every_slot_being_sent_from_chunks_go_through_the_page_cache_and_th
             ring.pin(slot, sending)
         store.write(i, view, slot)
         store.verified(i)
-        assert bytes(store.chunk(i)) == bytes(data[lo:hi])
+        assert bytes(store.outgoing(i)[1]) == bytes(data[lo:hi])
     assert ring.report()["held"] == 1 and ring.report()["full"] == m.n_chunks - 1
     assert_files_final_and_exact(src, out, m, cache, store)
