@@ -63,15 +63,12 @@ class Membership:
 
     def probe(self) -> None:
         """Time our uplink for the tracker (WELCOME asked): an empty PROBE, then two of ``probe_due``
-        bytes; it demotes a host whose probe arrives far slower than the others'.  Seq 0 says what we
-        had sent partners by then (``sent``): a probe queued before we forwarded anything had the uplink
-        to itself, at least for its first padding, whoever is placed under us."""
+        bytes; it demotes a host whose probe arrives far slower than the others'."""
         size, self.probe_due = self.probe_due, 0
         pad = bytes(size)
         for seq, padding in ((0, b""), (1, pad), (2, pad)):
-            fields = {"seq": seq, **({"sent": self.node.stats.bytes_sent} if seq == 0 else {})}
             try:
-                self.socket.send_multipart([protocol.control(Msg.PROBE, **fields), padding], zmq.NOBLOCK)
+                self.socket.send_multipart([protocol.control(Msg.PROBE, seq=seq), padding], zmq.NOBLOCK)
             except zmq.Again:
                 return
 

@@ -40,19 +40,3 @@ def test_a_heartbeat_reports_each_partner_s_rate_while_asked_and_what_it_deliver
     assert beat()["got"] == {"1": round(CHUNK / 0.5)}
     clock[0] = 1.5
     assert beat()["got"] == {}
-
-
-def test_a_probe_says_what_we_had_forwarded_when_we_sent_it():
-    # the tracker judges a probe by the uplink only if it had that uplink to itself
-    from p2pweights.tracker import PROBE_BYTES
-
-    for sent in (0, 3 * CHUNK):
-        posted = []
-        node = SimpleNamespace(clock=lambda: 0.0, stats=SimpleNamespace(bytes_sent=sent))
-        link = SimpleNamespace(send_multipart=lambda frames, flags: posted.append(frames))
-        Membership(node, link, "10.0.0.1:7420", {}, tracker_timeout=10.0, give_up_after=10.0,
-                   probe=PROBE_BYTES).probe()
-        events = [protocol.decode(frames) for frames in posted]
-        assert [(e.type, e.fields) for e in events] == [(Msg.PROBE, {"seq": 0, "sent": sent}),
-                                                        (Msg.PROBE, {"seq": 1}), (Msg.PROBE, {"seq": 2})]
-        assert [len(e.payload) for e in events] == [0, PROBE_BYTES, PROBE_BYTES]
