@@ -46,7 +46,7 @@ class TrackerEndpoint:
         self.fleet: fleet.Fleet = fleet.snapshot(tracker, manifest)  # read by other threads: replaced, never changed
         self.fleet_frame: bytes | None = None  # the STATUS_REPLY payload of ``fleet``, encoded on first ask
         self.changed, self.snapshot_at, self.snapshot_cost = False, clock(), 0.0
-        self.probing: dict[bytes, tuple] = {}  # ident -> (when its last PROBE arrived, fastest padding so far)
+        self.probing: dict[bytes, tuple] = {}  # ident -> (when its last PROBE arrived, first padding's time, alone)
         self.leaving: dict[int, bytes] = {}  # rank -> ident: told LEAVE_WAIT, let go once nobody depends on it
 
     def take(self) -> list[tuple[bytes, list]]:
@@ -107,22 +107,23 @@ class TrackerEndpoint:
         if rank is None:
             raise ProtocolError("PROBE from a connection that never joined")
         now, seq, size = self.clock(), f["seq"], len(padding)
-        start, first = self.probing.pop(ident, (None, None))
-        if seq == 0:
-            self.probing[ident] = (now, None)
+        start, first, alone = self.probing.pop(ident, (None, None, None))
+        if seq == 0:  # ``held``: chunks it held when it sent the probe (an older peer says nothing)
+            held = f.get("held")
+            self.probing[ident] = (now, None, held == 0 if type(held) is int else None)
             return
         if start is None or seq not in (1, 2) or size < PROBE_BYTES // 2 or (seq == 2) != (first is not None):
             return  # out of order, or too small to time: no measurement
         took = now - start
         if seq == 1:
-            self.probing[ident] = (now, took)
+            self.probing[ident] = (now, took, alone)
             return
         if first + took < MIN_PROBE_SPAN:
             return  # both read in one pass of the loop: nothing timed
         fast, slow = sorted((first, took))
         best = fast if fast >= SQUEEZED * slow else (fast + slow) / 2
         log.info("peer rank %d probe %.1f MB/s", rank, size / best / 1e6)
-        for r in self.tracker.probed(rank, size / best, long=best >= PROBE_MIN_TIME):
+        for r in self.tracker.probed(rank, size / best, long=best >= PROBE_MIN_TIME, alone=alone):
             log.warning("peer rank %d sent its probe at %.1f MB/s, well below the fleet's %.1f (median): it "
                         "becomes a leaf", r, self.tracker.members[r].probe / 1e6, self.tracker.probe_median() / 1e6)
         self._announce()

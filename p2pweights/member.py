@@ -40,8 +40,10 @@ class Membership:
         self.done_reported = False
         self.lost: dict[int, tuple[str, bool]] = {}  # planned rank given up -> (why, dead), until re-planned
         self.lost_reported: dict[int, float] = {}  # planned rank -> when we last sent ORPHAN for it
-        self.probe_due = _probe_size(probe)  # bytes to send the tracker as a probe at the next tick
-        self.beat_at, self.received = now, {}  # the last heartbeat, and each link's bytes by then
+        self.probe_due = _probe_size(probe)  # bytes to send the tracker as a probe (now; after a re-WELCOME,
+        self.beat_at, self.received = now, {}  # at the next tick), and the last heartbeat and each link's bytes by then
+        if self.probe_due:
+            self.probe()
 
     def post(self, frame: bytes) -> bool:
         return send_nowait(self.socket, frame)
@@ -63,12 +65,17 @@ class Membership:
 
     def probe(self) -> None:
         """Time our uplink for the tracker (WELCOME asked): an empty PROBE, then two of ``probe_due``
-        bytes; it demotes a host whose probe arrives far slower than the others'."""
+        bytes; it demotes a host whose probe arrives far slower than the others'.  Sent as we attach,
+        before we ask anyone for anything; seq 0 says how many chunks we hold (``held``): holding none,
+        we have nothing to forward until our first chunk arrives, so the probe's first padding has
+        the uplink to itself, whoever is placed under us by then."""
         size, self.probe_due = self.probe_due, 0
         pad = bytes(size)
+        held = self.node.pull.n - self.node.pull.missing()
         for seq, padding in ((0, b""), (1, pad), (2, pad)):
+            fields = {"seq": seq, **({"held": held} if seq == 0 else {})}
             try:
-                self.socket.send_multipart([protocol.control(Msg.PROBE, seq=seq), padding], zmq.NOBLOCK)
+                self.socket.send_multipart([protocol.control(Msg.PROBE, **fields), padding], zmq.NOBLOCK)
             except zmq.Again:
                 return
 

@@ -38,7 +38,12 @@ END_SHARE = 0.75  # a forwarder whose planned children all hold this share of th
 SLOW_EVIDENCE = 1  # consecutive rate reviews (one per heartbeat, 0.5 s) that must find a host slow before it is demoted
 #                   (one: each judges both what its children get while asking and what all its partners got)
 PROBE_BYTES = 512 << 10  # a joiner sends the tracker this much twice (WELCOME asks); its arrival times the uplink
-PROBE_MIN_TIME = 0.1  # seconds: a probe that took less proves nothing slow (loop and scheduling pauses are shorter)
+PROBE_MIN_TIME = 0.03  # seconds: a probe whose faster padding took less proves nothing slow: a fast host's padding
+#                      would need a loop or scheduling pause this long on both (a quarter of 400 Mbit/s moves one
+#                      in 42 ms; at 0.1 s the probe judged nobody on the bed and slow hosts waited for a review)
+PROBE_SLOW = 0.4  # a judged probe below this share of the probes' median demotes its host (htb lets a padding's
+#                  first bytes through above the cap: fast hosts' probes read 34-175 MB/s on 50 MB/s uplinks, slow
+#                  hosts' 11-22 on 12.5, so a third of the median let some slow ones through)
 PROBE_CLEARS = 0.5  # a joiner whose probe ran at this share of the probes' median or better is not demoted
 #                    by its first rates (while ``protocol.YOUNG``): a fast host still starting delivers slowly
 PROBE_QUORUM = 5  # probes in before a probe judged against their median is settled (earlier ones are judged again)
@@ -88,6 +93,11 @@ def uplinks(members) -> dict[int, float]:
         for r, v in m.delivered.items():
             got[r] = got.get(r, 0.0) + v
     return {r: max(rate, got.get(r, 0.0)) for r, rate in planned.items()}
+
+
+def feeds(topology, rank: int) -> bool:
+    """Whether ``rank`` is a planned parent in any stripe."""
+    return any(topology.load(rank, s) for s in range(topology.k))
 
 
 def median_without(ordered: list[float], x: float) -> float:
@@ -482,23 +492,23 @@ class Tracker:
                 demoted.append(r)
         return demoted
 
-    def probed(self, rank: int, rate: float, long: bool = True) -> list[int]:
+    def probed(self, rank: int, rate: float, long: bool = True, alone: bool | None = None) -> list[int]:
         """``rank``'s probe arrived at ``rate`` bytes/s (``long``: it took ``PROBE_MIN_TIME`` or more):
-        demote the probed hosts whose long probe ran below ``SLOW_FRACTION`` of the probes' median,
+        demote the probed hosts whose long probe ran below ``PROBE_SLOW`` of the probes' median,
         so a slow uplink is a leaf before it forwards anything (a review needs a chunk from it
         first: at a quarter of 100 Mbit/s, 2-3 s of a stripe held up).  Each is judged on its
         arrival, and again on every later one until ``PROBE_QUORUM`` probes are in (the first
-        joiners have few to be judged against).  A probe from a host that already has children
-        when it arrives judges nobody (it counts in the median): it shared the uplink with the
-        chunks they pulled, so it ran at a share of the uplink (a fast early joiner feeding two
-        peers sent its probe at a third of the others' rate and was demoted); the reviews judge
-        such a host.  Returns the demoted ranks (their moves are in ``take_moved``)."""
+        joiners have few to be judged against).  Only a probe ``alone`` on the uplink judges (all
+        count in the median): sent while its host held no chunk to forward, or, where a peer does not say
+        (``None``), from a host without children.  One sent while forwarding ran at a share of the
+        uplink (a fast early joiner feeding two peers was demoted so); the reviews judge such a
+        host.  Returns the demoted ranks (their moves are in ``take_moved``)."""
         m = self.members.get(rank)
         if m is None or not self.placed or rate <= 0 or m.probe:
             return []
         m.probe = rate
         bisect.insort(self.probes, rate)
-        if long and not any(self.topology.load(rank, s) for s in range(self.topology.k)):
+        if long and (alone or alone is None and not feeds(self.topology, rank)):
             self.unsettled.add(rank)
         if len(self.probes) < 3:
             return []
@@ -506,7 +516,7 @@ class Tracker:
         demoted = []
         for r in sorted(self.unsettled):
             x = self.members[r]
-            if not x.left and not x.demoted and x.probe < SLOW_FRACTION * median:
+            if not x.left and not x.demoted and x.probe < PROBE_SLOW * median:
                 self._demote(x)
                 demoted.append(r)
         if len(self.probes) >= PROBE_QUORUM:

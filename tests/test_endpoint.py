@@ -258,6 +258,23 @@ def test_probes_time_each_joiner_s_uplink_and_a_slow_one_is_a_leaf_at_once(manif
         ep.probe(b"stranger", {"seq": 0}, b"")
 
 
+def test_a_probe_sent_holding_nothing_judges_a_host_with_children_and_one_sent_holding_chunks_not(manifest):
+    # everyone joined before any probe came in; seq 0 says how many chunks the host held then
+    from p2pweights.tracker import PROBE_BYTES, PROBE_MIN_TIME
+
+    for held, demoted in ((0, True), (5, False)):
+        ep, clock = endpoint(manifest)
+        join(ep, 6)
+        slow = next(r for r in range(1, 7) if any(ep.tracker.topology.load(r, s) for s in range(2)))
+        for r in range(1, 7):
+            per = 4 * PROBE_MIN_TIME if r == slow else PROBE_MIN_TIME
+            ep.probe(f"id{r}".encode(), {"seq": 0, "held": held if r == slow else 0}, b"")
+            for seq in (1, 2):
+                clock.t += per
+                ep.probe(f"id{r}".encode(), {"seq": seq}, bytes(PROBE_BYTES))
+        assert [r for r, m in ep.tracker.members.items() if m.demoted] == ([slow] if demoted else [])
+
+
 def test_a_probe_read_back_to_back_after_a_pause_is_timed_by_both_paddings(manifest):
     # the loop paused while both paddings arrived: it read the second right after the first, and
     # the faster of the two read thousands of MB/s (it raised the median others are judged by);

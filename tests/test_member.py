@@ -40,3 +40,18 @@ def test_a_heartbeat_reports_each_partner_s_rate_while_asked_and_what_it_deliver
     assert beat()["got"] == {"1": round(CHUNK / 0.5)}
     clock[0] = 1.5
     assert beat()["got"] == {}
+
+
+def test_a_probe_goes_out_as_we_attach_and_says_how_many_chunks_we_held():
+    # the tracker judges a probe by the uplink only if we held nothing to forward when we sent it
+    from p2pweights.tracker import PROBE_BYTES
+
+    for have in ([0] * 8, [1, 1, 0, 1, 0, 0, 0, 0]):
+        posted = []
+        node = SimpleNamespace(clock=lambda: 0.0, pull=PullScheduler(8, CHUNK, have=have))
+        link = SimpleNamespace(send_multipart=lambda frames, flags: posted.append(frames))
+        Membership(node, link, "10.0.0.1:7420", {}, tracker_timeout=10.0, give_up_after=10.0, probe=PROBE_BYTES)
+        events = [protocol.decode(frames) for frames in posted]
+        assert [(e.type, e.fields) for e in events] == [(Msg.PROBE, {"seq": 0, "held": sum(have)}),
+                                                        (Msg.PROBE, {"seq": 1}), (Msg.PROBE, {"seq": 2})]
+        assert [len(e.payload) for e in events] == [0, PROBE_BYTES, PROBE_BYTES]

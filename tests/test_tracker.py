@@ -371,6 +371,20 @@ def test_forest_a_host_whose_probe_runs_far_below_the_others_is_a_leaf_before_it
     assert not t3.members[busy].demoted  # the reviews judge it
 
 
+def test_a_probe_sent_holding_nothing_judges_its_host_whoever_it_feeds():
+    # all eight join before any probe is in (eight interpreters starting on two cores): the slow
+    # host already has children placed under it, but it held nothing to give them when it sent its
+    # probe (``alone``), so the probe had its uplink and judges it; a probe sent holding chunks
+    # (``alone`` False: it may have been forwarding them) only counts in the median
+    for alone, demoted in ((True, True), (False, False)):
+        t = forest_tracker(8)
+        slow = next(r for r in range(1, 9) if any(t.topology.load(r, s) for s in range(2)))
+        got = [d for r in range(1, 9) for d in t.probed(r, 3e6 if r == slow else 12e6, alone=alone or r != slow)]
+        assert got == ([slow] if demoted else []) and t.members[slow].demoted == demoted
+        assert not any(m.demoted for r, m in t.members.items() if r != slow)
+        assert (t.topology.group[slow] is None) == demoted  # a leaf in every stripe
+
+
 def test_a_forwarder_s_reference_is_the_median_of_the_others():
     # the review sorts the rates once and takes each host out of the median in place; the same
     # answers as a median of the list without it, duplicates and even lengths included
