@@ -38,9 +38,10 @@ END_SHARE = 0.75  # a forwarder whose planned children all hold this share of th
 SLOW_EVIDENCE = 1  # consecutive rate reviews (one per heartbeat, 0.5 s) that must find a host slow before it is demoted
 #                   (one: each judges both what its children get while asking and what all its partners got)
 PROBE_BYTES = 512 << 10  # a joiner sends the tracker this much twice (WELCOME asks); its arrival times the uplink
-PROBE_MIN_TIME = 0.03  # seconds: a probe whose faster padding took less proves nothing slow: a fast host's padding
+PROBE_MIN_TIME = 0.02  # seconds: a probe whose faster padding took less proves nothing slow: a fast host's padding
 #                      would need a loop or scheduling pause this long on both (a quarter of 400 Mbit/s moves one
-#                      in 42 ms; at 0.1 s the probe judged nobody on the bed and slow hosts waited for a review)
+#                      in 24-48 ms, htb's burst included; at 0.1 s the probe judged nobody on the bed, at 0.03 it
+#                      missed some slow hosts, and they waited for a review)
 PROBE_SLOW = 0.4  # a judged probe below this share of the probes' median demotes its host (htb lets a padding's
 #                  first bytes through above the cap: fast hosts' probes read 34-175 MB/s on 50 MB/s uplinks, slow
 #                  hosts' 11-22 on 12.5, so a third of the median let some slow ones through)
