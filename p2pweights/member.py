@@ -40,9 +40,9 @@ class Membership:
         self.done_reported = False
         self.lost: dict[int, tuple[str, bool]] = {}  # planned rank given up -> (why, dead), until re-planned
         self.lost_reported: dict[int, float] = {}  # planned rank -> when we last sent ORPHAN for it
-        self.probe_due = _probe_size(probe)  # bytes to send the tracker as a probe (now; after a re-WELCOME,
-        self.beat_at, self.received = now, {}  # at the next tick), and the last heartbeat and each link's bytes by then
-        if self.probe_due:
+        self.probe_due = _probe_size(probe)  # bytes to send the tracker as a probe: now, or (re-WELCOMEd) at a tick
+        self.beat_at, self.received = now, {}  # the last heartbeat, and each link's bytes by then
+        if self.probe_due:  # before we ask anyone for a chunk (see ``probe``)
             self.probe()
 
     def post(self, frame: bytes) -> bool:

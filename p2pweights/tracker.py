@@ -500,10 +500,10 @@ class Tracker:
         first: at a quarter of 100 Mbit/s, 2-3 s of a stripe held up).  Each is judged on its
         arrival, and again on every later one until ``PROBE_QUORUM`` probes are in (the first
         joiners have few to be judged against).  Only a probe ``alone`` on the uplink judges (all
-        count in the median): sent while its host held no chunk to forward, or, where a peer does not say
-        (``None``), from a host without children.  One sent while forwarding ran at a share of the
-        uplink (a fast early joiner feeding two peers was demoted so); the reviews judge such a
-        host.  Returns the demoted ranks (their moves are in ``take_moved``)."""
+        count in the median): sent while its host held no chunk to forward, or, where a peer does
+        not say (``None``), from a host without children.  One sent while forwarding ran at a share
+        of the uplink (a fast early joiner feeding two peers was demoted so); the reviews judge
+        such a host.  Returns the demoted ranks (their moves are in ``take_moved``)."""
         m = self.members.get(rank)
         if m is None or not self.placed or rate <= 0 or m.probe:
             return []
