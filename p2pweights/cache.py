@@ -323,11 +323,13 @@ class DiskCache:
         and the blob layout starts every file there)."""
         for i, at, piece in self._pieces(index, data):
             cut = (at + len(piece)) // DIRECT_ALIGN * DIRECT_ALIGN - at
+            direct_fd = self.direct_fds.get(i)
             try:
-                _pwrite_all(self.direct_fds[i], piece[:cut], at)
-            except OSError as e:  # blocks larger than the grid: through the page cache after all
-                if e.errno != errno.EINVAL:
+                _pwrite_all(self.fds[i] if direct_fd is None else direct_fd, piece[:cut], at)
+            except OSError as e:  # blocks larger than the grid: this file through the page cache from now on
+                if e.errno != errno.EINVAL or direct_fd is None:
                     raise
+                os.close(self.direct_fds.pop(i))
                 _pwrite_all(self.fds[i], piece[:cut], at)
             _pwrite_all(self.fds[i], piece[cut:], at + cut)
 

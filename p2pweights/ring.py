@@ -48,17 +48,14 @@ class ChunkRing:
         if every slot is still being sent from."""
         for k in range(self.slots):
             slot = (self.next + k) % self.slots
-            pins = self.pins[slot]
-            if pins:
-                pins[:] = [t for t in pins if not t.done]
-                if pins:
-                    continue
+            if self._unpin_done(slot):
+                continue
             old = self.chunk_in[slot]
             if old >= 0:
                 del self.slot_of[old]
                 self.chunk_in[slot] = -1
             self.next = (slot + 1) % self.slots
-            return slot, self.memory[slot * self.stride: slot * self.stride + size]
+            return slot, self._slot(slot, size)
         self.full += 1
         return None, None
 
@@ -75,14 +72,23 @@ class ChunkRing:
             self.misses += 1
             return None, None
         self.hits += 1
-        return slot, self.memory[slot * self.stride: slot * self.stride + size]
+        return slot, self._slot(slot, size)
 
     def pin(self, slot: int, tracker) -> None:
         """A send from ``slot`` is under way; ``tracker.done`` says when ZeroMQ no longer reads it."""
+        if len(self.pins[slot]) >= 16:  # a slot served over and over (the join is complete): keep only live sends
+            self._unpin_done(slot)
+        self.pins[slot].append(tracker)
+
+    def _unpin_done(self, slot: int) -> int:
+        """Drop the pins of ``slot``'s finished sends; how many are still under way."""
         pins = self.pins[slot]
-        if len(pins) >= 16:  # a slot served over and over (the join is complete): keep only live sends
+        if pins:
             pins[:] = [t for t in pins if not t.done]
-        pins.append(tracker)
+        return len(pins)
+
+    def _slot(self, slot: int, size: int) -> memoryview:
+        return self.memory[slot * self.stride: slot * self.stride + size]
 
     def report(self) -> dict:
         """What the ring did, for ``--report``."""

@@ -155,3 +155,33 @@ def test_with_every_slot_being_sent_from_chunks_go_through_the_page_cache_and_th
         assert bytes(store.outgoing(i)[1]) == bytes(data[lo:hi])
     assert ring.report()["held"] == 1 and ring.report()["full"] == m.n_chunks - 1
     assert_files_final_and_exact(src, out, m, cache, store)
+
+
+def test_a_file_whose_o_direct_writes_are_refused_goes_through_the_page_cache_from_then_on(src, tmp_path, monkeypatch):
+    # a filesystem whose blocks are larger than the 4 KiB grid opens O_DIRECT but refuses such writes (EINVAL):
+    # that file's direct descriptor is closed at the first refusal, and the copy is exact all the same
+    import errno
+
+    from p2pweights import cache as cache_module
+
+    out = tmp_path / "out"
+    m, data, cache, ring, store = ring_copy(src, out, slots=4)
+    refused_file = max(cache.direct_fds, key=lambda i: m.files[i]["size"])  # the one spanning many chunks
+    refused_fd, real = cache.direct_fds[refused_file], cache_module._pwrite_all
+    tries = []
+
+    def pwrite_all(fd, view, at):
+        if fd == refused_fd:
+            tries.append(at)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd, view, at)
+
+    monkeypatch.setattr(cache_module, "_pwrite_all", pwrite_all)
+    for i in range(m.n_chunks):
+        lo, hi = m.chunk_span(i)
+        slot, view = ring.take(hi - lo)
+        view[:] = data[lo:hi]
+        store.write(i, view, slot)
+        store.verified(i)
+    assert len(tries) == 1 and refused_file not in cache.direct_fds  # asked once, then the page cache
+    assert_files_final_and_exact(src, out, m, cache, store)
