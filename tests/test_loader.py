@@ -163,13 +163,16 @@ def test_a_join_to_disk_does_not_import_numpy(tmp_path, procs):
     """numpy was half of a joiner's start-up CPU, paid by every host of a broadcast at the same moment:
     the CLI join path (scheduler, store, protocol, copy to disk) runs without it; dataclasses (with
     inspect, and each decorated class) was a sixth of what is left, and the other commands' parsers
-    a tenth."""
+    a tenth; shutil (with bz2 and lzma), tempfile and socket's enum classes, 5-9 ms more at sixteen
+    joins at once."""
     write_synthetic_model(tmp_path / "m", size_mb=2, shards=1)
     _, info = procs.seeder(tmp_path / "m")
     code = ("import sys; from p2pweights.cli import main; "
             f"rc = main(['join', '--parent', '127.0.0.1:{info['port']}', '--out', sys.argv[1], '-q']); "
             "assert 'numpy' not in sys.modules, 'numpy imported'; "
-            "assert 'dataclasses' not in sys.modules, 'dataclasses imported'; sys.exit(rc)")
+            "assert 'dataclasses' not in sys.modules, 'dataclasses imported'; "
+            "assert not {'shutil', 'tempfile', 'socket'} & set(sys.modules), 'shutil, tempfile or socket'; "
+            "sys.exit(rc)")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], check=True, timeout=60)
     for name in os.listdir(tmp_path / "m"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "m" / name).read_bytes()
