@@ -23,6 +23,7 @@ noise that its time does not.  Needs root, as ``bench/broadcast.py`` does.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -67,16 +68,29 @@ def run_side(tree: Path, bench_args: list[str], out: Path) -> dict:
     return summarize(json.loads(out.read_text()))
 
 
+def _trace_module():
+    """``bench/trace.py``, loaded by path (``import trace`` could find the standard library's)."""
+    spec = importlib.util.spec_from_file_location("bench_trace", Path(__file__).with_name("trace.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def summarize(doc: dict) -> dict:
     """What one ``bench/broadcast.py --json`` file says, per case: t/floor, busy, CPU s/GB/peer (and the part
-    spent writing the copy), demotions (host @ s)."""
+    spent writing the copy), demotions (host @ s), and the median end phase of its traced p2pw runs (the last
+    peer done after the seeder's last chunk: ``trace.phases``)."""
+    phases = _trace_module().phases
     cases = {}
     for s in doc["summaries"]:
         if s.get("ratio") is None:
             continue
         leaves = [f"h{h} @ {t:.1f}" for run in s.get("demoted") or [] for h, t in run]
+        ends = [p["end"] for run in doc.get("runs", []) if run.get("tool") == "p2pw" and run.get("case") == s["case"]
+                and run.get("n") == s["n"] and run.get("reports") and (p := phases(run))]
         cases[f"{s['case']} N={s['n']}"] = {"ratio": s["ratio"], "busy": s.get("busy"), "cpu": s.get("cpu_per_gb"),
-                                            "writing": s.get("write_cpu_per_gb"), "leaves": leaves}
+                                            "writing": s.get("write_cpu_per_gb"), "leaves": leaves,
+                                            "end": statistics.median(ends) if ends else None}
     return {"cases": cases}
 
 
@@ -108,6 +122,7 @@ def _line(i: int, side: str, res: dict) -> str:
     cells = [f"{c} {v['ratio']:.3f} busy {v['busy'] or 0:.0%}"
              + (f" cpu {v['cpu']:.2f}" if v.get("cpu") is not None else "")
              + (f" (writing {v['writing']:.2f})" if v.get("writing") is not None else "")
+             + (f" end {v['end']:.2f} s" if v.get("end") is not None else "")
              + f" leaves {', '.join(v['leaves']) or 'none'}" for c, v in res["cases"].items()]
     return f"[{i}] {side} " + "; ".join(cells)
 

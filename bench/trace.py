@@ -14,7 +14,10 @@ rank, planned rank]), prints, in bins of ``--bin`` seconds since launch:
   uplink left idle;
 - the last ``--late`` chunks of the host that finished last: when each
   arrived and from whom;
-- the seeder's log lines (demotions, re-placements), its ranks named as hosts.
+- the seeder's log lines (demotions, re-placements), its ranks named as hosts;
+- first, the phases (``phases``): the seeder's first and last chunk as its
+  receivers verified them, the first and last peer done, the last exit;
+  the end phase is the last peer done after the seeder's last chunk.
 
 Host 0 ("S") is the seeder; hosts are the bed's, ranks the tracker's.
 """
@@ -36,6 +39,18 @@ def arrivals(run: dict) -> dict[str, list[tuple[float, int, str, bool]]]:
                 for t, i, src, planned in r["chunks"]] for h, r in reps.items()}
 
 
+def phases(run: dict) -> dict | None:
+    """Seconds since launch: the seeder's first and last chunk (verified at its receivers), the first and
+    last peer done, the last exit; ``end``: the last peer done after the seeder's last chunk. None untraced."""
+    seeded = [t for a in arrivals(run).values() for t, _, src, _ in a if src == "S"]
+    done = [r["done_at"] for r in run["reports"].values() if isinstance(r.get("done_at"), (int, float))]
+    if not seeded or not done:
+        return None
+    p = {"seeder_first": min(seeded), "seeder_last": max(seeded), "done_first": min(done), "done_last": max(done),
+         "exit": run["time"]}
+    return {**p, "end": p["done_last"] - p["seeder_last"]}
+
+
 def row(counts: Counter, bins: int) -> str:
     return " ".join(f"{counts[b]:3d}" for b in range(bins))
 
@@ -46,7 +61,11 @@ def report(run: dict, width: float, late: int) -> str:
         return "  (no traced receivers: run broadcast.py with --trace)\n"
     stripes = max(len(r.get("plan", [])) for r in run["reports"].values()) or 1
     bins = int(max(t for a in got.values() for t, *_ in a) // width) + 1
-    out = [f"  bins of {width:g} s since launch: " + " ".join(f"{b * width:3.0f}" for b in range(bins))]
+    p = phases(run)
+    out = [f"  phases: the seeder's chunks {p['seeder_first']:.2f}-{p['seeder_last']:.2f} s, peers done "
+           f"{p['done_first']:.2f}-{p['done_last']:.2f} s (end phase {p['end']:.2f} s), last exit {p['exit']:.2f} s"
+           ] if p else []
+    out.append(f"  bins of {width:g} s since launch: " + " ".join(f"{b * width:3.0f}" for b in range(bins)))
     sent: dict[str, Counter] = {}
     for h in sorted(got, key=int):
         slow = run["rates"][h] != run["rates"]["0"]  # JSON keys: host numbers as strings

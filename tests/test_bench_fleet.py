@@ -99,3 +99,22 @@ def test_ab_reads_each_run_s_cases_and_says_in_how_many_pairs_b_was_faster():
     assert ab._line(3, "B", {"error": "bed failed"}) == "[3] B FAILED: bed failed"
     assert ab._line(1, "A", a1) == ("[1] A equal N=8 1.220 busy 80% cpu 4.00 (writing 2.50) leaves none; "
                                     "slow2 N=8 1.500 busy 70% cpu 5.00 leaves none")
+
+
+def test_ab_and_trace_time_the_end_phase_of_a_traced_run():
+    # the end phase: the last peer done after the seeder's last chunk (as its receivers verified it)
+    import ab
+
+    def traced(seeder_last, done_last):  # two receivers; reports as fleet.py keeps them (seconds since launch)
+        return {"tool": "p2pw", "case": "slow2", "n": 2, "time": done_last + 0.05, "reports": {
+            "1": {"rank": 1, "started_at": 0.3, "done_at": 5.0, "chunks": [[0.1, 0, 0, 0], [seeder_last - 0.3, 1, 0, 0]]},
+            "2": {"rank": 2, "started_at": 0.3, "done_at": done_last, "chunks": [[0.2, 0, 1, 1], [4.5, 1, 1, 1]]}}}
+
+    doc = {"summaries": [{"case": "slow2", "n": 2, "ratio": 1.3, "busy": 0.6, "demoted": [[], []]}],
+           "runs": [traced(4.0, 4.9), traced(4.2, 5.5)]}
+    got = ab.summarize(doc)["cases"]["slow2 N=2"]
+    assert got["end"] == pytest.approx((1.0 + 1.3) / 2)  # run 1: 5.0 - 4.0; run 2: 5.5 - 4.2
+    assert " end 1.15 s " in ab._line(1, "B", {"cases": {"slow2 N=2": got}})
+    phases = ab._trace_module().phases(doc["runs"][0])
+    assert phases["seeder_first"] == pytest.approx(0.4) and phases["seeder_last"] == pytest.approx(4.0)
+    assert phases["done_first"] == 4.9 and phases["done_last"] == 5.0 and phases["end"] == pytest.approx(1.0)
