@@ -23,6 +23,7 @@ noise that its time does not.  Needs root, as ``bench/broadcast.py`` does.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -68,6 +69,7 @@ def run_side(tree: Path, bench_args: list[str], out: Path) -> dict:
     return summarize(json.loads(out.read_text()))
 
 
+@functools.lru_cache(maxsize=None)
 def _trace_module():
     """``bench/trace.py``, loaded by path (``import trace`` could find the standard library's)."""
     spec = importlib.util.spec_from_file_location("bench_trace", Path(__file__).with_name("trace.py"))

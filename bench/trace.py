@@ -39,10 +39,11 @@ def arrivals(run: dict) -> dict[str, list[tuple[float, int, str, bool]]]:
                 for t, i, src, planned in r["chunks"]] for h, r in reps.items()}
 
 
-def phases(run: dict) -> dict | None:
+def phases(run: dict, got: dict | None = None) -> dict | None:
     """Seconds since launch: the seeder's first and last chunk (verified at its receivers), the first and
-    last peer done, the last exit; ``end``: the last peer done after the seeder's last chunk. None untraced."""
-    seeded = [t for a in arrivals(run).values() for t, _, src, _ in a if src == "S"]
+    last peer done, the last exit; ``end``: the last peer done after the seeder's last chunk. None untraced.
+    ``got``: the run's ``arrivals``, where the caller has them."""
+    seeded = [t for a in (arrivals(run) if got is None else got).values() for t, _, src, _ in a if src == "S"]
     done = [r["done_at"] for r in run["reports"].values() if isinstance(r.get("done_at"), (int, float))]
     if not seeded or not done:
         return None
@@ -61,7 +62,7 @@ def report(run: dict, width: float, late: int) -> str:
         return "  (no traced receivers: run broadcast.py with --trace)\n"
     stripes = max(len(r.get("plan", [])) for r in run["reports"].values()) or 1
     bins = int(max(t for a in got.values() for t, *_ in a) // width) + 1
-    p = phases(run)
+    p = phases(run, got)
     out = [f"  phases: the seeder's chunks {p['seeder_first']:.2f}-{p['seeder_last']:.2f} s, peers done "
            f"{p['done_first']:.2f}-{p['done_last']:.2f} s (end phase {p['end']:.2f} s), last exit {p['exit']:.2f} s"
            ] if p else []

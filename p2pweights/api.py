@@ -16,7 +16,7 @@ import zmq
 
 from . import catalog, hfcache, keys, protocol
 from .errors import P2PError
-from .cache import STATE_DIR, DiskCache, copy_paths, marker_matches
+from .cache import STATE_DIR, DiskCache, copy_paths, marker_matches, remove_tree
 from .modelcache import CacheTooSmall, ModelCache, describe_failure
 from .manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
 from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
@@ -682,9 +682,7 @@ def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, rin
         disk and disk.close()
         lock and lock.release()
         if disk is None and fresh and os.path.isdir(target) and os.listdir(target) == [STATE_DIR]:
-            import shutil
-
-            shutil.rmtree(target, ignore_errors=True)  # made for this join, holds nothing
+            remove_tree(target)  # made for this join, holds nothing
         if cache is not None and isinstance(e, (SpaceError, CacheTooSmall)):
             cache.failed.remember(manifest.model_id, "disk", str(e), where=where)
         raise

@@ -109,6 +109,14 @@ def _create_unique(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
     raise FileExistsError(f"no unused temporary name in {directory}")
 
 
+def remove_tree(path: str) -> None:
+    """Remove a folder and whatever is left in it, errors ignored (shutil imported here: only a failed join
+    or an eviction needs it, and with bz2 and lzma it would cost every join 2 ms of start-up)."""
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -535,8 +535,9 @@ class HelpLayout(argparse.HelpFormatter):
 def _columns() -> int:
     """$COLUMNS, else the width of the terminal on stdout, else 80."""
     try:
-        if int(os.environ["COLUMNS"]) > 0:
-            return int(os.environ["COLUMNS"])
+        columns = int(os.environ["COLUMNS"])
+        if columns > 0:
+            return columns
     except (KeyError, ValueError):
         pass
     try:

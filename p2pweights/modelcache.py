@@ -27,7 +27,7 @@ import os
 import re
 import time
 
-from .cache import STATE_DIR, copy_paths, marker_matches, write_atomically, write_text_atomically
+from .cache import STATE_DIR, copy_paths, marker_matches, remove_tree, write_atomically, write_text_atomically
 from .errors import UserError
 from .manifest import Manifest, ManifestError
 
@@ -193,14 +193,6 @@ class CopyLock:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-def _rmtree(path: str) -> None:
-    """Remove a copy's folder, whatever is left of it (shutil imported here: only an eviction needs it, and
-    with bz2 and lzma it costs every join 2 ms of start-up)."""
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def try_exclusive(copy: str) -> int | None:
@@ -432,7 +424,7 @@ class ModelCache:
             return False
         try:
             if delete:
-                _rmtree(path)
+                remove_tree(path)
         finally:
             if fd is not None:
                 os.close(fd)
@@ -476,7 +468,7 @@ class ModelCache:
                 if path not in known:
                     fd = try_exclusive(path) if os.path.isdir(path) else None
                     if fd is not None:
-                        _rmtree(path)
+                        remove_tree(path)
                         os.close(fd)
                         report["incomplete"].append(path)
         for key, rec in self.failed.records():

@@ -207,6 +207,10 @@ class Forest:
     def load(self, rank: int, stripe: int) -> int:
         return len(self.kids[stripe].get(rank, ()))
 
+    def feeds(self, rank: int) -> bool:
+        """Whether ``rank`` is a planned parent in any stripe."""
+        return any(self.kids[s].get(rank) for s in range(self.k))
+
     def capacity(self, rank: int, stripe: int) -> int:
         slots, lent = self.slots.get(rank, 0), self.lent.get(rank)
         if rank == 0:

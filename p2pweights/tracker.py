@@ -96,11 +96,6 @@ def uplinks(members) -> dict[int, float]:
     return {r: max(rate, got.get(r, 0.0)) for r, rate in planned.items()}
 
 
-def feeds(topology, rank: int) -> bool:
-    """Whether ``rank`` is a planned parent in any stripe."""
-    return any(topology.load(rank, s) for s in range(topology.k))
-
-
 def median_without(ordered: list[float], x: float) -> float:
     """``statistics.median`` of the sorted list ``ordered`` with one ``x`` taken out, without
     copying it: a review judges every forwarder against the others (2,000 forwarders cost 0.3 CPU
@@ -509,7 +504,7 @@ class Tracker:
             return []
         m.probe = rate
         bisect.insort(self.probes, rate)
-        if long and (alone or alone is None and not feeds(self.topology, rank)):
+        if long and (alone or alone is None and not self.topology.feeds(rank)):
             self.unsettled.add(rank)
         if len(self.probes) < 3:
             return []
