@@ -148,6 +148,9 @@ class Seeder:
         self.tracker = Tracker(self.topology, advertise or "", max_peers=max_peers)
         self.node = Node(self.ctx, router, self.manifest, self.store, peer_id="seeder", tracker=self.tracker,
                          window=window, key=key)
+        self.probe_sink = _probe_sink(host)
+        if self.probe_sink is not None:  # WELCOME asks joiners to time their uplinks against it
+            self.node.endpoint.probe_port = self.probe_sink.port
         if self.source is not None:
             self.node.attach_source(self.source)
         # from here on, what the kernel reads for libzmq's I/O threads is pages sending reads again; an object
@@ -212,6 +215,8 @@ class Seeder:
 
     def close(self) -> None:
         self.node.stop()
+        if self.probe_sink is not None:
+            self.probe_sink.close()
         if self.s3 is not None and self.source is not None:
             self.source.close()  # its GET threads
         if self.gate is not None:
@@ -227,6 +232,18 @@ class Seeder:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _probe_sink(host: str):
+    """The seeder's ``uplink.ProbeSink`` on ``host``, any free port; None where none can listen
+    (joiners then go unprobed, and the rate reviews find slow hosts)."""
+    from .uplink import ProbeSink
+
+    try:
+        return ProbeSink(host)
+    except OSError as e:
+        log.warning("no uplink probe sink on %s (%s): slow hosts are found by their rates alone", host, e)
+        return None
 
 
 def _read_manifest(manifest_path: str) -> Manifest:
@@ -511,7 +528,7 @@ def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, st
     recovered = cache.recover(store) if cache is not None else []
     for index in recovered:  # chunks an earlier run left on disk: verified again, never fetched again
         node.pull.verified(index)
-    node.attach_tracker(link, tracker_addr, welcome["rank"], welcome.get("probe"))
+    node.attach_tracker(link, tracker_addr, welcome["rank"], welcome.get("uplink_probe"))
     partners = welcome.get("partners") if isinstance(welcome.get("partners"), list) else []
     node.partners.set_plan(welcome["parents"], partners, welcome["stripes"])
     if cache is not None:

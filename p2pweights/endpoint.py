@@ -28,8 +28,8 @@ YOUNG_REVIEW_INTERVAL = REVIEW_INTERVAL / 2  # while a peer that joined within `
 SNAPSHOT_INTERVAL = 0.5  # seconds between fleet snapshots (sooner, at most every SNAPSHOT_MIN, on a change)
 SNAPSHOT_MIN = 0.1
 SNAPSHOT_SHARE = 0.05  # and never more often than keeps the loop's time spent on them under this share
-SQUEEZED = 0.25  # a probe padding timed under this share of the other's was read right after it (a pause)
-MIN_PROBE_SPAN = 1e-3  # seconds: two probe paddings read closer together than this time nothing
+MAX_RATE = 1e13  # bytes/s: a PROBE claiming more is garbage
+MAX_PROBE_TIME = 3600.0  # seconds: and so is one that took longer
 
 
 class TrackerEndpoint:
@@ -46,7 +46,7 @@ class TrackerEndpoint:
         self.fleet: fleet.Fleet = fleet.snapshot(tracker, manifest)  # read by other threads: replaced, never changed
         self.fleet_frame: bytes | None = None  # the STATUS_REPLY payload of ``fleet``, encoded on first ask
         self.changed, self.snapshot_at, self.snapshot_cost = False, clock(), 0.0
-        self.probing: dict[bytes, tuple] = {}  # ident -> (when its last PROBE arrived, first padding's time, alone)
+        self.probe_port = 0  # the seeder's ``uplink.ProbeSink``, which WELCOME names (0: none, no probes asked)
         self.leaving: dict[int, bytes] = {}  # rank -> ident: told LEAVE_WAIT, let go once nobody depends on it
 
     def take(self) -> list[tuple[bytes, list]]:
@@ -88,42 +88,32 @@ class TrackerEndpoint:
         self._send(ident, protocol.control(
             Msg.WELCOME, rank=member.rank, parents=self.tracker.parent_addrs(member),
             partners=self.tracker.partner_addrs(member), stripes=self.tracker.topology.stripes,
-            tracker=self.tracker.root_listen, **({"probe": PROBE_BYTES} if self.tracker.placed and not member.probe
-                                                 else {})), self.manifest_frame)
+            tracker=self.tracker.root_listen, **self._probe_asked(member)), self.manifest_frame)
         for moved in self.tracker.adoptions(member):
             self.tracker.moved.append(moved.rank)
         self._announce(skip=member.rank)
         return True
 
-    def probe(self, ident: bytes, f: dict, padding) -> None:
-        """PROBE: seq 0 starts the clock, seqs 1 and 2 (their ``padding`` frames) each stop and
-        restart it.  The faster of the two is the member's uplink as the tracker saw it (a pause of
-        this loop, or of the machine, stretches one, rarely both); a host far below the others is
-        demoted now.  Where one padding took under ``SQUEEZED`` of the other's time, the loop read
-        it right after the other (both arrived during a pause): their mean times the uplink, and
-        paddings read in one pass time nothing (the faster of such a pair read 9,830 MB/s on a
-        50 MB/s uplink, which raised the median every other probe is judged by)."""
+    def _probe_asked(self, member) -> dict:
+        """WELCOME's ask for a probe of the joiner's uplink: where our sink listens and how much to send."""
+        if not self.probe_port or not self.tracker.placed or member.probe:
+            return {}
+        return {"uplink_probe": {"port": self.probe_port, "bytes": PROBE_BYTES}}
+
+    def probe(self, ident: bytes, f: dict) -> None:
+        """PROBE: the member's uplink as its kernel timed ``PROBE_BYTES`` sent to the seeder's probe
+        sink (``uplink``): ``rate`` bytes/s over ``took`` seconds, holding ``held`` chunks when it began
+        (holding none, it had nothing to forward: the probe had its uplink to itself).  A host far
+        below the others is demoted now."""
         rank = self.members.get(ident)
         if rank is None:
             raise ProtocolError("PROBE from a connection that never joined")
-        now, seq, size = self.clock(), f["seq"], len(padding)
-        start, first, alone = self.probing.pop(ident, (None, None, None))
-        if seq == 0:  # ``held``: chunks it held when it sent the probe (an older peer says nothing)
-            held = f.get("held")
-            self.probing[ident] = (now, None, held == 0 if type(held) is int else None)
-            return
-        if start is None or seq not in (1, 2) or size < PROBE_BYTES // 2 or (seq == 2) != (first is not None):
-            return  # out of order, or too small to time: no measurement
-        took = now - start
-        if seq == 1:
-            self.probing[ident] = (now, took, alone)
-            return
-        if first + took < MIN_PROBE_SPAN:
-            return  # both read in one pass of the loop: nothing timed
-        fast, slow = sorted((first, took))
-        best = fast if fast >= SQUEEZED * slow else (fast + slow) / 2
-        log.info("peer rank %d probe %.1f MB/s", rank, size / best / 1e6)
-        for r in self.tracker.probed(rank, size / best, long=best >= PROBE_MIN_TIME, alone=alone):
+        rate, took, held = f["rate"], f["took"], f.get("held")
+        if not (0 < rate < MAX_RATE and 0 <= took < MAX_PROBE_TIME):  # NaN fails both
+            raise ProtocolError(f"PROBE of {rate!r} bytes/s over {took!r} s")
+        log.info("peer rank %d probe %.1f MB/s over %.0f ms", rank, rate / 1e6, took * 1e3)
+        for r in self.tracker.probed(rank, float(rate), long=took >= PROBE_MIN_TIME,
+                                     alone=held == 0 if type(held) is int else None):
             log.warning("peer rank %d sent its probe at %.1f MB/s, well below the fleet's %.1f (median): it "
                         "becomes a leaf", r, self.tracker.members[r].probe / 1e6, self.tracker.probe_median() / 1e6)
         self._announce()
@@ -154,7 +144,6 @@ class TrackerEndpoint:
 
     def bye(self, ident: bytes, f: dict | None = None) -> None:
         """The member left now (BYE), or its connection is gone."""
-        self.probing.pop(ident, None)
         rank = self.members.pop(ident, None)
         if rank is not None:
             self._gone(rank, "left" if f is not None else "disconnected")

@@ -76,6 +76,8 @@ class Handlers:
             n._fail(body.decode(errors="replace"))
         elif verb == b"stop":
             n.stop_event.set()
+        elif verb == b"uplink" and n.member is not None:  # our probe's result, from its thread
+            n.member.timed(body)
         elif verb in (b"leave", b"wake"):  # the timers run at the end of this pass (DONE, LEAVE), not in 50 ms
             n.leave_when_done = n.leave_when_done or verb == b"leave"
             n.next_timers = 0.0
@@ -202,7 +204,7 @@ class Handlers:
         n.member.heard_from(n.clock())
         f = event.fields
         if event.type == Msg.WELCOME:  # a restarted tracker took us back
-            n.member.welcomed_again(f["rank"], f.get("probe"))
+            n.member.welcomed_again(f["rank"], f.get("uplink_probe"))
             n.rank = f["rank"]
             self._plan(f)
         elif event.type == Msg.LEAVE_OK:
@@ -267,9 +269,8 @@ class Handlers:
         elif kind in (Msg.HELLO, Msg.STATUS) and n.endpoint is None:
             n.conns[ident].state = "new"
             n._send(ident, protocol.control(Msg.REDIRECT, tracker=n.tracker_addr))
-        elif n.endpoint is not None and kind in n.endpoint.HANDLERS:  # a payload frame goes along (PROBE's)
-            payload = (event.payload,) if kind in protocol.PAYLOAD_FRAMES else ()
-            if n.endpoint.HANDLERS[kind](n.endpoint, ident, event.fields, *payload) is False:
+        elif n.endpoint is not None and kind in n.endpoint.HANDLERS:
+            if n.endpoint.HANDLERS[kind](n.endpoint, ident, event.fields) is False:
                 n.conns.pop(ident, None)
 
     def on_attach(self, ident: bytes, f: dict) -> None:

@@ -1,7 +1,7 @@
 """Member: a peer's side of its tracker link (the loop's thread only).
 
-What a peer tells the tracker and when: a probe of its uplink when WELCOME
-asks for one, heartbeats with what it holds and the rate each partner
+What a peer tells the tracker and when: its uplink's rate when WELCOME asks
+for a probe (timed off the loop: ``uplink``), heartbeats with what it holds and the rate each partner
 delivers, ORPHAN for a planned source it gave up, DONE, LEAVE until the
 tracker lets it go, a new HELLO when the tracker went quiet (it may
 have restarted), and, when nothing arrives from anyone, a line every
@@ -10,26 +10,29 @@ have restarted), and, when nothing arrives from anyone, a line every
 from __future__ import annotations
 
 import logging
+import struct
 
 import zmq
 
 from . import protocol
 from .partners import send_nowait
 from .protocol import CLIENT_TRANSITIONS, Connection, Msg
+from .uplink import probe_in_background, split_host_port
 
 log = logging.getLogger("p2pw")
 
 LEAVE_POLL = 1.0  # seconds between LEAVEs while told to wait (the tracker sends LEAVE_OK the moment we may go)
 RETRY_INTERVAL = 1.0  # ORPHAN / HELLO resend while waiting for the tracker
 WAIT_REPORT = 10.0  # seconds between "waiting for ..." lines when nothing arrives
-MAX_PROBE = 1 << 20  # most bytes a WELCOME may ask us to send as a probe (the tracker's message limit)
+MAX_PROBE = 4 << 20  # most bytes a WELCOME may ask us to send as a probe (the probe sink's limit)
+TIMED = struct.Struct("<ddI")  # the inbox's b"uplink": a probe's rate (bytes/s), seconds, chunks held as it began
 
 
 class Membership:
     """The tracker link of one peer, and the reports it sends on it."""
 
     def __init__(self, node, socket: zmq.Socket, addr: str, hello: dict, tracker_timeout: float,
-                 give_up_after: float, probe=None):
+                 give_up_after: float, probe=None):  # probe: WELCOME's "uplink_probe"
         self.node, self.socket, self.addr = node, socket, addr
         self.conn = Connection(CLIENT_TRANSITIONS, "member")
         self.hello_fields = hello  # what we told the tracker when joining, repeated if it restarts
@@ -40,7 +43,7 @@ class Membership:
         self.done_reported = False
         self.lost: dict[int, tuple[str, bool]] = {}  # planned rank given up -> (why, dead), until re-planned
         self.lost_reported: dict[int, float] = {}  # planned rank -> when we last sent ORPHAN for it
-        self.probe_due = _probe_size(probe)  # bytes to send the tracker as a probe: now, or (re-WELCOMEd) at a tick
+        self.probe_due = _probe_asked(probe)  # (sink port, bytes) to time our uplink with: now, or at a tick
         self.beat_at, self.received = now, {}  # the last heartbeat, and each link's bytes by then
         if self.probe_due:  # before we ask anyone for a chunk (see ``probe``)
             self.probe()
@@ -64,24 +67,29 @@ class Membership:
         self.heard = now
 
     def probe(self) -> None:
-        """Time our uplink for the tracker (WELCOME asked): an empty PROBE, then two of ``probe_due``
-        bytes; it demotes a host whose probe arrives far slower than the others'.  Sent as we attach,
-        before we ask anyone for anything; seq 0 says how many chunks we hold (``held``): holding none,
-        we have nothing to forward until our first chunk arrives, so the probe's first padding has
-        the uplink to itself, whoever is placed under us by then."""
-        size, self.probe_due = self.probe_due, 0
-        pad = bytes(size)
-        held = self.node.pull.n - self.node.pull.missing()
-        for seq, padding in ((0, b""), (1, pad), (2, pad)):
-            fields = {"seq": seq, **({"held": held} if seq == 0 else {})}
-            try:
-                self.socket.send_multipart([protocol.control(Msg.PROBE, **fields), padding], zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        """Time our uplink for the tracker (WELCOME asked): ``probe_due`` bytes to the seeder's probe
+        sink, timed by our kernel on a thread of its own (``uplink``); the loop reports the rate
+        (``timed``).  It demotes a host whose uplink runs far slower than the others'.  Started as we
+        attach, before we ask anyone for anything: holding nothing (``held``), we have nothing to
+        forward until our first chunk arrives, so the probe has the uplink to itself, whoever is
+        placed under us by then."""
+        (port, size), self.probe_due = self.probe_due, None
+        try:
+            host = split_host_port(self.addr)[0]
+        except ValueError:
+            return
+        held, node = self.node.pull.n - self.node.pull.missing(), self.node
+        probe_in_background(host, port, size,
+                            lambda t: t is not None and node.post(b"uplink", TIMED.pack(t.rate, t.took, held)))
+
+    def timed(self, body: bytes) -> None:
+        """Our probe's result (the inbox's b"uplink"): tell the tracker."""
+        rate, took, held = TIMED.unpack(body)
+        self.post(protocol.control(Msg.PROBE, rate=round(rate), took=round(took, 6), held=held))
 
     def welcomed_again(self, rank: int, probe=None) -> None:
         """A restarted tracker took us back (as ``rank``)."""
-        self.probe_due = _probe_size(probe)
+        self.probe_due = _probe_asked(probe)
         if self.hello_sent:
             log.warning("tracker %s is back: we are rank %d", self.addr, rank)
         self.hello_sent = 0.0
@@ -167,6 +175,11 @@ class Membership:
         self.socket.close(0)
 
 
-def _probe_size(asked) -> int:
-    """The probe size a WELCOME asked for, if it is a sane one (else none is sent)."""
-    return asked if isinstance(asked, int) and not isinstance(asked, bool) and 0 < asked <= MAX_PROBE else 0
+def _probe_asked(asked) -> tuple[int, int] | None:
+    """(sink port, bytes) of the probe a WELCOME asked for, if a sane one (else none is sent)."""
+    if not isinstance(asked, dict):
+        return None
+    port, size = asked.get("port"), asked.get("bytes")
+    if type(port) is int and 0 < port < 65536 and type(size) is int and 0 < size <= MAX_PROBE:
+        return port, size
+    return None

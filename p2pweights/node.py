@@ -145,13 +145,13 @@ class Node:
         """From any thread: hand ``verb`` to the loop (``urgent``, ``fail``, ``stop``; ``leave``: once done,
         leave as soon as nobody depends on us; ``wake``: run the timers now, the copy is final)."""
         with self._outside_lock:
-            if self._outside is None:
-                self._outside = self.ctx.socket(zmq.PUSH)
-                self._outside.setsockopt(zmq.LINGER, 0)
-                self._outside.connect(self.inbox_addr)
             try:
+                if self._outside is None:
+                    self._outside = self.ctx.socket(zmq.PUSH)
+                    self._outside.setsockopt(zmq.LINGER, 0)
+                    self._outside.connect(self.inbox_addr)
                 self._outside.send_multipart([verb, body], zmq.NOBLOCK)
-            except zmq.ZMQError:
+            except zmq.ZMQError:  # the inbox is full, or the node is closed (its context ended): nobody to tell
                 pass
 
     def prioritize(self, chunks) -> None:
@@ -181,7 +181,7 @@ class Node:
     # ----- setup ---------------------------------------------------------
 
     def attach_tracker(self, socket: zmq.Socket, addr: str, rank: int, probe=None) -> None:
-        """Adopt the (already welcomed) DEALER to the tracker; ``probe``: bytes WELCOME asked us to send."""
+        """Adopt the (already welcomed) DEALER to the tracker; ``probe``: WELCOME's "uplink_probe"."""
         self.tracker_addr, self.rank = addr, rank
         self.member = Membership(self, socket, addr, self.hello_fields, self.tracker_timeout, self.give_up_after,
                                  probe)

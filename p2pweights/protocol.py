@@ -73,8 +73,8 @@ class Msg(IntEnum):
     CANCEL = 18     # peer -> partner: u32 indices no longer wanted (an endgame duplicate arrived)
     STATUS = 19     # anyone -> tracker, on a fresh connection, no join needed: {}
     STATUS_REPLY = 20  # tracker -> asker: {peers, shown} + fleet JSON frame (fleet.Fleet.to_doc), bounded
-    PROBE = 21      # member -> tracker: {seq} + padding frame: seq 0 empty, then seqs 1 and 2 of the size
-    #                 WELCOME's "probe" asks for; the tracker times their arrival (the member's uplink)
+    PROBE = 21      # member -> tracker: {rate, took, held}: its uplink, as its kernel timed the bytes WELCOME's
+    #                 "uplink_probe" asked it to send the seeder's probe sink (``uplink``)
 
 
 # Required JSON fields of each control message and their types.
@@ -95,10 +95,10 @@ SCHEMA: dict[Msg, dict[str, type | tuple]] = {
     Msg.ORPHAN: {"rank": int, "stripe": int, "parent": int, "reason": str},
     Msg.STATUS: {},
     Msg.STATUS_REPLY: {"peers": int, "shown": int},
-    Msg.PROBE: {"seq": int},
+    Msg.PROBE: {"rate": (int, float), "took": (int, float)},
 }
-# ATTACHED: the bitfield (packbits); PROBE: its padding
-PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1, Msg.ATTACHED: 1, Msg.STATUS_REPLY: 1, Msg.PROBE: 1}
+# ATTACHED: the bitfield (packbits)
+PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1, Msg.ATTACHED: 1, Msg.STATUS_REPLY: 1}
 INDEX_LISTS = (Msg.REQUEST, Msg.HAVE, Msg.CANCEL)  # bodies of u32 chunk indices
 
 
@@ -191,7 +191,8 @@ def decode_header(frame: bytes) -> Event:
         raise ProtocolError(f"{kind.name} body is not a JSON object")
     for name, typ in SCHEMA[kind].items():
         if not isinstance(fields.get(name), typ) or isinstance(fields.get(name), bool):
-            raise ProtocolError(f"{kind.name} lacks field {name!r} of type {typ.__name__}")
+            kinds = typ if isinstance(typ, tuple) else (typ,)
+            raise ProtocolError(f"{kind.name} lacks field {name!r} of type {' or '.join(t.__name__ for t in kinds)}")
     return Event(kind, fields=fields)
 
 

@@ -246,11 +246,10 @@ def _busiest(size: int, k: int, unplaced: int, spares, r_fast: float, n_fast: in
 
 def _detection(k: int, chunk: int, r: float) -> float:
     """Seconds a slow host of uplink ``r`` (bytes/s) forwards before the tracker demotes it: its
-    probe at join (two paddings of ``PROBE_BYTES``) where one takes ``PROBE_MIN_TIME`` or more
-    to arrive, else its first chunk to its k children at its own rate, then ``SLOW_EVIDENCE``
-    reviews."""
+    probe at join (``PROBE_BYTES``) where it takes ``PROBE_MIN_TIME`` or more, else its first
+    chunk to its k children at its own rate, then ``SLOW_EVIDENCE`` reviews."""
     if PROBE_BYTES / r >= PROBE_MIN_TIME:
-        return 2 * PROBE_BYTES / r
+        return PROBE_BYTES / r
     return k * chunk / r + SLOW_EVIDENCE * YOUNG_REVIEW_INTERVAL  # a joiner is reviewed as often as it reports
 
 

@@ -6,8 +6,9 @@ topology, skipping parents that have left), and a few partners: other peers
 it may also pull from.  Peers report what each partner delivers to them; a
 host whose uplink, as they see it (``uplinks``), falls well below the fleet's
 is demoted to a leaf (``slow_hosts``), and so is one that feeds nobody yet
-whose probe at join (``PROBE_BYTES`` sent to the tracker, timed on arrival:
-``probed``) ran well below the others', before it forwards anything.  In a
+whose probe at join (``PROBE_BYTES`` sent to the seeder's probe sink, timed by
+the joiner's kernel: ``uplink``, ``probed``) ran well below the others', before
+it forwards anything.  In a
 joiner's first ``protocol.YOUNG`` seconds it reports, and is reviewed, twice
 as often, and a probe that ran at half the others' or better clears it (a
 fast host still starting delivers as slowly as a slow uplink).  It
@@ -37,14 +38,12 @@ SLOW_FRACTION = 0.33  # a host delivering below this share of the fleet's median
 END_SHARE = 0.75  # a forwarder whose planned children all hold this share of the chunks is no longer judged
 SLOW_EVIDENCE = 1  # consecutive rate reviews (one per heartbeat, 0.5 s) that must find a host slow before it is demoted
 #                   (one: each judges both what its children get while asking and what all its partners got)
-PROBE_BYTES = 512 << 10  # a joiner sends the tracker this much twice (WELCOME asks); its arrival times the uplink
-PROBE_MIN_TIME = 0.02  # seconds: a probe whose faster padding took less proves nothing slow: a fast host's padding
-#                      would need a loop or scheduling pause this long on both (a quarter of 400 Mbit/s moves one
-#                      in 24-48 ms, htb's burst included; at 0.1 s the probe judged nobody on the bed, at 0.03 it
-#                      missed some slow hosts, and they waited for a review)
-PROBE_SLOW = 0.4  # a judged probe below this share of the probes' median demotes its host (htb lets a padding's
-#                  first bytes through above the cap: fast hosts' probes read 34-175 MB/s on 50 MB/s uplinks, slow
-#                  hosts' 11-22 on 12.5, so a third of the median let some slow ones through)
+PROBE_BYTES = 1 << 20  # a joiner sends the seeder's probe sink this much (WELCOME asks); its kernel times it
+PROBE_MIN_TIME = 0.02  # seconds: a probe that took less proves nothing slow (the kernel times it in jiffies, 1-4 ms;
+#                      400 Mbit/s moves PROBE_BYTES in 16-20 ms, htb's burst included, a quarter of it in 72-76)
+PROBE_SLOW = 0.4  # a judged probe below this share of the probes' median demotes its host (kernel-timed on the
+#                  bench's bed: 52-65 MB/s on 50 MB/s uplinks, 14-15 on 12.5; timed as the seeder's loop read them,
+#                  as until stop 38, 13-175 and 11-28)
 PROBE_CLEARS = 0.5  # a joiner whose probe ran at this share of the probes' median or better is not demoted
 #                    by its first rates (while ``protocol.YOUNG``): a fast host still starting delivers slowly
 PROBE_QUORUM = 5  # probes in before a probe judged against their median is settled (earlier ones are judged again)
@@ -70,7 +69,7 @@ class Member:
     have: int = 0  # chunks verified, as last reported
     slow_seen: int = 0  # consecutive reviews that found its uplink slow
     demoted: bool = False
-    probe: float = 0.0  # bytes/s its uplink delivered PROBE_BYTES to the tracker at join (0: not yet)
+    probe: float = 0.0  # bytes/s its uplink sent PROBE_BYTES to the probe sink at join (0: not yet)
 
 
 class TrackerError(UserError, ValueError):
@@ -489,7 +488,7 @@ class Tracker:
         return demoted
 
     def probed(self, rank: int, rate: float, long: bool = True, alone: bool | None = None) -> list[int]:
-        """``rank``'s probe arrived at ``rate`` bytes/s (``long``: it took ``PROBE_MIN_TIME`` or more):
+        """``rank``'s probe ran at ``rate`` bytes/s (``long``: it took ``PROBE_MIN_TIME`` or more):
         demote the probed hosts whose long probe ran below ``PROBE_SLOW`` of the probes' median,
         so a slow uplink is a leaf before it forwards anything (a review needs a chunk from it
         first: at a quarter of 100 Mbit/s, 2-3 s of a stripe held up).  Each is judged on its

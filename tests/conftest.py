@@ -68,7 +68,11 @@ class Proc:
                 self.cond.wait(min(left, 0.2))
 
     def wait(self, timeout: float = 60) -> int:
-        return self.popen.wait(timeout)
+        """Its exit status; fail the test with its output if it is still running after ``timeout``."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout:g} s; output:\n{self.output()}") from None
 
 
 class Procs:

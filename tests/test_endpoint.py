@@ -226,71 +226,62 @@ def test_a_done_member_waits_to_leave_while_a_partner_still_misses_chunks(manife
     assert (f"id{leaver}".encode(), Msg.LEAVE_OK) in [(i, e.type) for i, e in sent(ep)]
 
 
+def probed(ep, rank, rate, took=0.05, held=0):
+    ep.probe(f"id{rank}".encode(), {"rate": rate, "took": took, "held": held})
+
+
 def test_probes_time_each_joiner_s_uplink_and_a_slow_one_is_a_leaf_at_once(manifest, caplog):
-    # WELCOME asks each joiner for a probe; each sends seq 0 then two paddings, and the faster
-    # padding times its uplink (a loop pause stretches one of them, rarely both).  Out-of-order or
-    # undersized probes measure nothing; the slow host is demoted and the peers it fed are told
-    from p2pweights.tracker import PROBE_BYTES, PROBE_MIN_TIME
+    # WELCOME asks each joiner to time its uplink against the seeder's probe sink; each reports
+    # the rate its kernel measured, and the slow host is demoted and the peers it fed are told
+    from p2pweights.tracker import PROBE_BYTES
 
     ep, clock = endpoint(manifest)
-    welcomes = join(ep, 1)  # the others join one by one below, each probing before anyone is under it
+    ep.probe_port = 7421
+    welcomes = []
     slow = 5  # placed as a leaf: it feeds nobody when its probe arrives (4 and 6 adopt one at once)
-    ep.probe(b"id1", {"seq": 2}, bytes(PROBE_BYTES))  # no seq 0 first: ignored
-    ep.probe(b"id1", {"seq": 0}, b"")
-    ep.probe(b"id1", {"seq": 1}, bytes(100))  # too small to time: ignored, and the probe starts over
-    assert ep.tracker.probes == []
     for r in range(1, 7):
-        if r > 1:
-            welcomes += join_one(ep, r)
-        per = 4 * PROBE_MIN_TIME if r == slow else PROBE_MIN_TIME  # its uplink: a quarter of the others'
-        ep.probe(f"id{r}".encode(), {"seq": 0}, b"")
-        clock.t += per * (3 if r == 4 else 1)  # rank 4's first padding waited on a paused loop
-        ep.probe(f"id{r}".encode(), {"seq": 1}, bytes(PROBE_BYTES))
-        clock.t += per
+        welcomes += join_one(ep, r)
         with caplog.at_level(logging.WARNING, logger="p2pw"):
-            ep.probe(f"id{r}".encode(), {"seq": 2}, bytes(PROBE_BYTES))
-    assert [e.fields["probe"] for _, e in welcomes if e.type == Msg.WELCOME] == [PROBE_BYTES] * 6
+            probed(ep, r, 13e6 if r == slow else 55e6, took=0.08 if r == slow else 0.02)
+    assert [e.fields["uplink_probe"] for _, e in welcomes if e.type == Msg.WELCOME] == [
+        {"port": 7421, "bytes": PROBE_BYTES}] * 6
     assert [r for r, m in ep.tracker.members.items() if m.demoted] == [slow]
     assert f"rank {slow} sent its probe at" in caplog.text and "becomes a leaf" in caplog.text
     told = {ident for ident, e in welcomes + sent(ep) if e.type == Msg.REPARENT}
     assert told  # whoever it fed, or partnered, learns its new place
     with pytest.raises(ProtocolError):
-        ep.probe(b"stranger", {"seq": 0}, b"")
+        ep.probe(b"stranger", {"rate": 1e6, "took": 0.1})
 
 
 def test_a_probe_sent_holding_nothing_judges_a_host_with_children_and_one_sent_holding_chunks_not(manifest):
-    # everyone joined before any probe came in; seq 0 says how many chunks the host held then
-    from p2pweights.tracker import PROBE_BYTES, PROBE_MIN_TIME
-
+    # everyone joined before any probe came in; each says how many chunks it held as it began
     for held, demoted in ((0, True), (5, False)):
-        ep, clock = endpoint(manifest)
+        ep, _ = endpoint(manifest)
+        ep.probe_port = 7421
         join(ep, 6)
         slow = next(r for r in range(1, 7) if any(ep.tracker.topology.load(r, s) for s in range(2)))
         for r in range(1, 7):
-            per = 4 * PROBE_MIN_TIME if r == slow else PROBE_MIN_TIME
-            ep.probe(f"id{r}".encode(), {"seq": 0, "held": held if r == slow else 0}, b"")
-            for seq in (1, 2):
-                clock.t += per
-                ep.probe(f"id{r}".encode(), {"seq": seq}, bytes(PROBE_BYTES))
+            probed(ep, r, 13e6 if r == slow else 55e6, held=held if r == slow else 0)
         assert [r for r, m in ep.tracker.members.items() if m.demoted] == ([slow] if demoted else [])
 
 
-def test_a_probe_read_back_to_back_after_a_pause_is_timed_by_both_paddings(manifest):
-    # the loop paused while both paddings arrived: it read the second right after the first, and
-    # the faster of the two read thousands of MB/s (it raised the median others are judged by);
-    # both together time the uplink, and paddings read in one pass time nothing
-    from p2pweights.tracker import PROBE_BYTES
+def test_a_short_probe_counts_in_the_median_but_demotes_nobody_and_a_garbage_one_is_refused(manifest):
+    # a probe that took under PROBE_MIN_TIME is timed to the kernel's jiffies: it proves nothing slow
+    from p2pweights.tracker import PROBE_MIN_TIME
 
-    ep, clock = endpoint(manifest)
-    join(ep, 2)
-    ep.probe(b"id1", {"seq": 0}, b"")
-    clock.t += 0.2  # 2 x PROBE_BYTES at about 10 MB/s, the pause included
-    ep.probe(b"id1", {"seq": 1}, bytes(PROBE_BYTES))
-    clock.t += 0.0001
-    ep.probe(b"id1", {"seq": 2}, bytes(PROBE_BYTES))
-    assert ep.tracker.probes == [pytest.approx(PROBE_BYTES / 0.10005)]
-    ep.probe(b"id2", {"seq": 0}, b"")
-    ep.probe(b"id2", {"seq": 1}, bytes(PROBE_BYTES))
-    ep.probe(b"id2", {"seq": 2}, bytes(PROBE_BYTES))  # the clock never moved: one pass of the loop
-    ep.probe(b"id2", {"seq": 2}, bytes(PROBE_BYTES))  # and a second seq 2 is out of order
-    assert len(ep.tracker.probes) == 1 and not ep.tracker.members[2].probe
+    ep, _ = endpoint(manifest)
+    ep.probe_port = 7421
+    join(ep, 4)
+    for r in (1, 2, 3):
+        probed(ep, r, 55e6)
+    probed(ep, 4, 10e6, took=PROBE_MIN_TIME / 2)
+    assert len(ep.tracker.probes) == 4 and not any(m.demoted for m in ep.tracker.members.values())
+    for bad in ({"rate": -1, "took": 0.1}, {"rate": float("nan"), "took": 0.1}, {"rate": 1e6, "took": -1},
+                {"rate": 1e20, "took": 0.1}):
+        with pytest.raises(ProtocolError):
+            ep.probe(b"id1", bad)
+
+
+def test_a_seeder_without_a_probe_sink_asks_no_joiner_for_a_probe(manifest):
+    ep, _ = endpoint(manifest)
+    assert not any("uplink_probe" in e.fields for _, e in join(ep, 3))

@@ -1,4 +1,6 @@
 """A peer's reports to its tracker, read off the frames its tracker link posts."""
+import queue
+import time
 from types import SimpleNamespace
 
 from p2pweights import protocol
@@ -42,16 +44,42 @@ def test_a_heartbeat_reports_each_partner_s_rate_while_asked_and_what_it_deliver
     assert beat()["got"] == {}
 
 
-def test_a_probe_goes_out_as_we_attach_and_says_how_many_chunks_we_held():
-    # the tracker judges a probe by the uplink only if we held nothing to forward when we sent it
+def test_a_probe_goes_out_as_we_attach_and_reports_its_rate_and_how_many_chunks_we_held():
+    # the probe's bytes go to a real probe sink on loopback, timed off the loop; its result comes
+    # back through the inbox and is reported.  The tracker judges a probe by the uplink only if we
+    # held nothing to forward when we sent it
     from p2pweights.tracker import PROBE_BYTES
+    from p2pweights.uplink import ProbeSink
 
-    for have in ([0] * 8, [1, 1, 0, 1, 0, 0, 0, 0]):
-        posted = []
-        node = SimpleNamespace(clock=lambda: 0.0, pull=PullScheduler(8, CHUNK, have=have))
-        link = SimpleNamespace(send_multipart=lambda frames, flags: posted.append(frames))
-        Membership(node, link, "10.0.0.1:7420", {}, tracker_timeout=10.0, give_up_after=10.0, probe=PROBE_BYTES)
-        events = [protocol.decode(frames) for frames in posted]
-        assert [(e.type, e.fields) for e in events] == [(Msg.PROBE, {"seq": 0, "held": sum(have)}),
-                                                        (Msg.PROBE, {"seq": 1}), (Msg.PROBE, {"seq": 2})]
-        assert [len(e.payload) for e in events] == [0, PROBE_BYTES, PROBE_BYTES]
+    sink = ProbeSink("127.0.0.1")
+    try:
+        for have in ([0] * 8, [1, 1, 0, 1, 0, 0, 0, 0]):
+            posted, inbox = [], queue.Queue()
+            node = SimpleNamespace(clock=lambda: 0.0, pull=PullScheduler(8, CHUNK, have=have),
+                                   post=lambda verb, body: inbox.put((verb, body)))
+            link = SimpleNamespace(send=lambda frame, flags: posted.append(frame))
+            member = Membership(node, link, f"127.0.0.1:{sink.port}", {}, tracker_timeout=10.0, give_up_after=10.0,
+                                probe={"port": sink.port, "bytes": PROBE_BYTES})
+            verb, body = inbox.get(timeout=30)
+            assert verb == b"uplink" and posted == []
+            member.timed(body)
+            [event] = [protocol.decode([frame]) for frame in posted]
+            assert event.type == Msg.PROBE and event.fields["held"] == sum(have)
+            assert event.fields["rate"] > 0 and event.fields["took"] >= 0
+        while sink.drained < 2 * PROBE_BYTES:  # every byte reached the sink (the test's timeout bounds this)
+            time.sleep(0.01)
+        assert sink.drained == 2 * PROBE_BYTES
+    finally:
+        sink.close()
+
+
+def test_a_welcome_s_malformed_probe_ask_sends_nothing():
+    posted = []
+    node = SimpleNamespace(clock=lambda: 0.0, pull=PullScheduler(8, CHUNK),
+                           post=lambda verb, body: posted.append(verb))
+    link = SimpleNamespace(send=lambda frame, flags: posted.append(frame))
+    for ask in (1 << 20, {"port": 0, "bytes": 1 << 20}, {"port": 7421, "bytes": 1 << 30}, {"port": "x", "bytes": 1},
+                {"port": 7421, "bytes": True}):
+        member = Membership(node, link, "127.0.0.1:7420", {}, tracker_timeout=10.0, give_up_after=10.0, probe=ask)
+        assert member.probe_due is None
+    assert posted == []
