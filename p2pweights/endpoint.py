@@ -102,18 +102,17 @@ class TrackerEndpoint:
 
     def probe(self, ident: bytes, f: dict) -> None:
         """PROBE: the member's uplink as its kernel timed ``PROBE_BYTES`` sent to the seeder's probe
-        sink (``uplink``): ``rate`` bytes/s over ``took`` seconds, holding ``held`` chunks when it began
-        (holding none, it had nothing to forward: the probe had its uplink to itself).  A host far
-        below the others is demoted now."""
+        sink (``uplink``): ``rate`` bytes/s over ``took`` seconds, ``alone`` if it forwarded nothing
+        meanwhile (the probe had its uplink to itself).  A host far below the others is demoted now."""
         rank = self.members.get(ident)
         if rank is None:
             raise ProtocolError("PROBE from a connection that never joined")
-        rate, took, held = f["rate"], f["took"], f.get("held")
+        rate, took, alone = f["rate"], f["took"], f.get("alone")
         if not (0 < rate < MAX_RATE and 0 <= took < MAX_PROBE_TIME):  # NaN fails both
             raise ProtocolError(f"PROBE of {rate!r} bytes/s over {took!r} s")
         log.info("peer rank %d probe %.1f MB/s over %.0f ms", rank, rate / 1e6, took * 1e3)
         for r in self.tracker.probed(rank, float(rate), long=took >= PROBE_MIN_TIME,
-                                     alone=held == 0 if type(held) is int else None):
+                                     alone=alone if type(alone) is bool else None):
             log.warning("peer rank %d sent its probe at %.1f MB/s, well below the fleet's %.1f (median): it "
                         "becomes a leaf", r, self.tracker.members[r].probe / 1e6, self.tracker.probe_median() / 1e6)
         self._announce()

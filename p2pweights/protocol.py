@@ -73,7 +73,7 @@ class Msg(IntEnum):
     CANCEL = 18     # peer -> partner: u32 indices no longer wanted (an endgame duplicate arrived)
     STATUS = 19     # anyone -> tracker, on a fresh connection, no join needed: {}
     STATUS_REPLY = 20  # tracker -> asker: {peers, shown} + fleet JSON frame (fleet.Fleet.to_doc), bounded
-    PROBE = 21      # member -> tracker: {rate, took, held}: its uplink, as its kernel timed the bytes WELCOME's
+    PROBE = 21      # member -> tracker: {rate, took, alone}: its uplink, as its kernel timed the bytes WELCOME's
     #                 "uplink_probe" asked it to send the seeder's probe sink (``uplink``)
 
 

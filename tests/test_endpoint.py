@@ -226,8 +226,8 @@ def test_a_done_member_waits_to_leave_while_a_partner_still_misses_chunks(manife
     assert (f"id{leaver}".encode(), Msg.LEAVE_OK) in [(i, e.type) for i, e in sent(ep)]
 
 
-def probed(ep, rank, rate, took=0.05, held=0):
-    ep.probe(f"id{rank}".encode(), {"rate": rate, "took": took, "held": held})
+def probed(ep, rank, rate, took=0.05, alone=True):
+    ep.probe(f"id{rank}".encode(), {"rate": rate, "took": took, "alone": alone})
 
 
 def test_probes_time_each_joiner_s_uplink_and_a_slow_one_is_a_leaf_at_once(manifest, caplog):
@@ -253,15 +253,15 @@ def test_probes_time_each_joiner_s_uplink_and_a_slow_one_is_a_leaf_at_once(manif
         ep.probe(b"stranger", {"rate": 1e6, "took": 0.1})
 
 
-def test_a_probe_sent_holding_nothing_judges_a_host_with_children_and_one_sent_holding_chunks_not(manifest):
-    # everyone joined before any probe came in; each says how many chunks it held as it began
-    for held, demoted in ((0, True), (5, False)):
+def test_a_probe_alone_on_the_uplink_judges_a_host_with_children_and_one_beside_forwarding_not(manifest):
+    # everyone joined before any probe came in; each says whether it forwarded chunks while probing
+    for alone, demoted in ((True, True), (False, False)):
         ep, _ = endpoint(manifest)
         ep.probe_port = 7421
         join(ep, 6)
         slow = next(r for r in range(1, 7) if any(ep.tracker.topology.load(r, s) for s in range(2)))
         for r in range(1, 7):
-            probed(ep, r, 13e6 if r == slow else 55e6, held=held if r == slow else 0)
+            probed(ep, r, 13e6 if r == slow else 55e6, alone=alone or r != slow)
         assert [r for r, m in ep.tracker.members.items() if m.demoted] == ([slow] if demoted else [])
 
 

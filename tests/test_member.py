@@ -44,31 +44,37 @@ def test_a_heartbeat_reports_each_partner_s_rate_while_asked_and_what_it_deliver
     assert beat()["got"] == {}
 
 
-def test_a_probe_goes_out_as_we_attach_and_reports_its_rate_and_how_many_chunks_we_held():
+def test_a_probe_goes_out_as_we_attach_holds_our_uploads_and_reports_its_rate():
     # the probe's bytes go to a real probe sink on loopback, timed off the loop; its result comes
-    # back through the inbox and is reported.  The tracker judges a probe by the uplink only if we
-    # held nothing to forward when we sent it
+    # back through the inbox and is reported.  Having sent nothing yet, we forward nothing while it
+    # runs; a probe beside forwarding (a tracker that restarted mid-transfer) says it was not alone
     from p2pweights.tracker import PROBE_BYTES
     from p2pweights.uplink import ProbeSink
 
     sink = ProbeSink("127.0.0.1")
     try:
-        for have in ([0] * 8, [1, 1, 0, 1, 0, 0, 0, 0]):
+        for sent in (0, 5):
             posted, inbox = [], queue.Queue()
-            node = SimpleNamespace(clock=lambda: 0.0, pull=PullScheduler(8, CHUNK, have=have),
-                                   post=lambda verb, body: inbox.put((verb, body)))
+            node = SimpleNamespace(clock=time.monotonic, pull=PullScheduler(8, CHUNK),
+                                   stats=SimpleNamespace(chunks_sent=sent), post=lambda verb, body: inbox.put(body))
             link = SimpleNamespace(send=lambda frame, flags: posted.append(frame))
             member = Membership(node, link, f"127.0.0.1:{sink.port}", {}, tracker_timeout=10.0, give_up_after=10.0,
                                 probe={"port": sink.port, "bytes": PROBE_BYTES})
-            verb, body = inbox.get(timeout=30)
-            assert verb == b"uplink" and posted == []
+            assert member.holding(time.monotonic()) == (sent == 0)
+            body = inbox.get(timeout=30)
+            assert posted == []
+            if sent:
+                node.stats.chunks_sent += 1  # forwarded one while the probe ran
             member.timed(body)
+            assert not member.holding(time.monotonic())
             [event] = [protocol.decode([frame]) for frame in posted]
-            assert event.type == Msg.PROBE and event.fields["held"] == sum(have)
-            assert event.fields["rate"] > 0 and event.fields["took"] >= 0
+            assert event.type == Msg.PROBE and event.fields["rate"] > 0 and event.fields["took"] >= 0
+            assert event.fields["alone"] is (sent == 0)
         while sink.drained < 2 * PROBE_BYTES:  # every byte reached the sink (the test's timeout bounds this)
             time.sleep(0.01)
         assert sink.drained == 2 * PROBE_BYTES
+        member.timed(b"")  # a probe that failed: nothing told, nothing held
+        assert len(posted) == 1 and not member.holding(time.monotonic())
     finally:
         sink.close()
 
