@@ -81,7 +81,8 @@ class Seeder:
                  chunk_size: int | None = None, topology: str = DEFAULT_PLAN, hash: str = "xxh3_64",
                  advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
                  max_peers: int = 10_000, manifest: str | None = None, exclude=(),
-                 s3_concurrency: int = 16, s3_range_size: int = 8 << 20, cache: ModelCache | None = None):
+                 s3_concurrency: int = 16, s3_range_size: int = 8 << 20, cache: ModelCache | None = None,
+                 probe_port: int = 0):
         from .chunker import build  # the seeder's parts: a join never imports them (start-up is on the clock)
         from .topology import make as make_topology
         from .tracker import Tracker
@@ -138,17 +139,21 @@ class Seeder:
         self.lock = None if self.s3 is not None else cache.hold_if_known(path)
         self.ctx = zmq.Context()
         self.gate = keys.gate(self.ctx, key)  # ZAP allow-list, before any keyed socket exists
+        router = None
         try:
             router, self.port = bind_router(self.ctx, host, port, key)
-        except zmq.ZMQError as e:
+            self.probe_sink = _probe_sink(host, probe_port)
+        except (zmq.ZMQError, P2PError) as e:
+            router is not None and router.close(0)
             self.gate and self.gate.stop()
             self.ctx.term()
             self.lock and self.lock.release()
+            if isinstance(e, P2PError):
+                raise
             raise P2PError(f"cannot listen on {host}:{port}: {e}") from None
         self.tracker = Tracker(self.topology, advertise or "", max_peers=max_peers)
         self.node = Node(self.ctx, router, self.manifest, self.store, peer_id="seeder", tracker=self.tracker,
                          window=window, key=key)
-        self.probe_sink = _probe_sink(host)
         if self.probe_sink is not None:  # WELCOME asks joiners to time their uplinks against it
             self.node.endpoint.probe_port = self.probe_sink.port
         if self.source is not None:
@@ -234,14 +239,16 @@ class Seeder:
         self.close()
 
 
-def _probe_sink(host: str):
-    """The seeder's ``uplink.ProbeSink`` on ``host``, any free port; None where none can listen
-    (joiners then go unprobed, and the rate reviews find slow hosts)."""
+def _probe_sink(host: str, port: int):
+    """The seeder's ``uplink.ProbeSink`` on host:port; with port 0 any free one, or None where none
+    can listen (joiners then go unprobed, and the rate reviews find slow hosts)."""
     from .uplink import ProbeSink
 
     try:
-        return ProbeSink(host)
+        return ProbeSink(host, port)
     except OSError as e:
+        if port:
+            raise P2PError(f"cannot listen on {host}:{port} for uplink probes (--probe-port): {e}") from None
         log.warning("no uplink probe sink on %s (%s): slow hosts are found by their rates alone", host, e)
         return None
 

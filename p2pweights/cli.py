@@ -111,7 +111,7 @@ def cmd_seed(args) -> int:
     s = seed(args.path, port=args.port, host=args.host, chunk_size=args.chunk_size, topology=args.topology,
              advertise=args.advertise, window=args.window, hash=args.hash, key=key, max_peers=args.max_peers,
              manifest=args.manifest, exclude=args.exclude, s3_concurrency=args.s3_concurrency,
-             s3_range_size=args.s3_range_size)
+             s3_range_size=args.s3_range_size, probe_port=args.probe_port)
     bind(http, s)
     m = s.manifest
     if m.origin:
@@ -444,6 +444,9 @@ def _seed_parser(sub) -> None:
     s.add_argument("--port", type=int, default=7420)
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--advertise", help="address peers should use to reach this host (default: the one they used)")
+    s.add_argument("--probe-port", type=int, default=0, metavar="PORT",
+                   help="TCP port joiners time their uplink against as they join (default: any free one; a "
+                        "firewall that lets only --port through leaves slow hosts to be found by their rates)")
     s.add_argument("--chunk-size", type=size, default=None,
                    help=CHUNK_SIZE_HELP)
     s.add_argument("--topology", default=None, metavar="PLAN",

@@ -67,6 +67,15 @@ def test_seed_truncated_safetensors(tmp_path, model_dir):
     assert_one_line_error(run("seed", model_dir, "--port", "0"), shard.name)
 
 
+def test_seed_with_its_probe_port_taken(tmp_path, model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run("seed", model_dir, "--port", "0", "--host", "127.0.0.1", "--probe-port", port)
+    assert_one_line_error(r, f"cannot listen on 127.0.0.1:{port} for uplink probes (--probe-port)")
+
+
 def test_join_nobody_listening(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

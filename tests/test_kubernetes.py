@@ -100,6 +100,8 @@ def test_seeder_is_one_replica_behind_a_headless_service_and_joiners_find_it():
     seed = p2pw_args(seeder)
     tracker_port = {p["name"]: p for p in svc["spec"]["ports"]}["tracker"]
     assert port_number(seeder, tracker_port["targetPort"]) == seed.port == tracker_port["port"]
+    probe_port = {p["name"]: p for p in svc["spec"]["ports"]}["probe"]  # joiners time their uplinks on it
+    assert port_number(seeder, probe_port["targetPort"]) == seed.probe_port == probe_port["port"]
     # the seeder's checkpoint is on its models volume
     mounts = {m["name"]: m["mountPath"] for m in seeder["volumeMounts"]}
     assert seed.path.startswith(mounts["models"] + "/")

@@ -91,3 +91,18 @@ def test_addresses_split_into_host_and_port():
     assert split_host_port("tcp://[::1]:7420") == ("::1", 7420)
     with pytest.raises(ValueError):
         split_host_port("no-port")
+
+
+def test_joiners_time_their_uplinks_against_the_seeder_s_probe_port(procs, tmp_path, model_dir):
+    from conftest import same_tree
+
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        port = spare.getsockname()[1]
+    seeder, info = procs.seeder(model_dir, "--probe-port", port)
+    joins = [procs.join(info["port"], tmp_path / f"o{k}") for k in range(2)]
+    for k, j in enumerate(joins):
+        assert j.wait(60) == 0, j.output()
+        assert same_tree(model_dir, tmp_path / f"o{k}") == []
+    for rank in (1, 2):  # each probe reached the sink on that port and was reported
+        seeder.wait_line(rf"peer rank {rank} probe [\d.]+ MB/s over \d+ ms")
