@@ -64,6 +64,10 @@ def time_uplink(host: str, port: int, size: int, timeout: float = PROBE_TIMEOUT)
     s = _socket.socket(family, kind, proto)
     try:
         s.settimeout(timeout)
+        # room for every byte at once: one send() hands the kernel the whole probe, which then goes out
+        # at the uplink's pace whether or not this thread gets the GIL or a core back in time (refilled
+        # in pieces, a starting join's main thread kept it waiting and fast uplinks read 19-20 MB/s)
+        s.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDBUF, size)
         s.connect(where)
         start = time.monotonic()
         s.sendall(bytes(size))
@@ -104,6 +108,10 @@ class ProbeSink:
         family = _socket.AF_INET6 if ":" in bind else _socket.AF_INET
         self.listener = _socket.socket(family, _socket.SOCK_STREAM)
         self.listener.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+        # a receive window for a whole probe from its first byte (accepted sockets inherit it, the window
+        # scale is set at the handshake): the sender never waits on this thread, which shares the GIL with
+        # the seeder's loop (left to autotuning, windows grew only as it read, and fast uplinks read 37-52)
+        self.listener.setsockopt(_socket.SOL_SOCKET, _socket.SO_RCVBUF, max_bytes)
         try:
             self.listener.bind((bind, port))
             self.listener.listen(connections)
