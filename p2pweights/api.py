@@ -137,20 +137,7 @@ class Seeder:
         # serving a copy the model cache keeps: hold it, so it is not evicted while seeded
         cache = cache if cache is not None else ModelCache()
         self.lock = None if self.s3 is not None else cache.hold_if_known(path)
-        self.ctx = zmq.Context()
-        self.gate = keys.gate(self.ctx, key)  # ZAP allow-list, before any keyed socket exists
-        router = None
-        try:
-            router, self.port = bind_router(self.ctx, host, port, key)
-            self.probe_sink = _probe_sink(host, probe_port)
-        except (zmq.ZMQError, P2PError) as e:
-            router is not None and router.close(0)
-            self.gate and self.gate.stop()
-            self.ctx.term()
-            self.lock and self.lock.release()
-            if isinstance(e, P2PError):
-                raise
-            raise P2PError(f"cannot listen on {host}:{port}: {e}") from None
+        router = self._listen(host, port, probe_port, key)
         self.tracker = Tracker(self.topology, advertise or "", max_peers=max_peers)
         self.node = Node(self.ctx, router, self.manifest, self.store, peer_id="seeder", tracker=self.tracker,
                          window=window, key=key)
@@ -162,6 +149,25 @@ class Seeder:
         # store's temp file is not its storage: the bucket's reads are counted there
         self.io_at_serve = sending_read_bytes() if self.s3 is None else None
         self.node.start()
+
+    def _listen(self, host: str, port: int, probe_port: int, key):
+        """The ROUTER peers and members reach (``self.port``) and the probe sink (``self.probe_sink``);
+        P2PError, with nothing left open, where either cannot listen."""
+        self.ctx = zmq.Context()
+        self.gate = keys.gate(self.ctx, key)  # ZAP allow-list, before any keyed socket exists
+        router = None
+        try:
+            router, self.port = bind_router(self.ctx, host, port, key)
+            self.probe_sink = _probe_sink(host, probe_port)
+            return router
+        except (zmq.ZMQError, P2PError) as e:
+            router is not None and router.close(0)
+            self.gate and self.gate.stop()
+            self.ctx.term()
+            self.lock and self.lock.release()
+            if isinstance(e, P2PError):
+                raise
+            raise P2PError(f"cannot listen on {host}:{port}: {e}") from None
 
     @property
     def model_id(self) -> str:

@@ -46,7 +46,6 @@ class Membership:
         self.lost: dict[int, tuple[str, bool]] = {}  # planned rank given up -> (why, dead), until re-planned
         self.lost_reported: dict[int, float] = {}  # planned rank -> when we last sent ORPHAN for it
         self.probe_due = _probe_asked(probe)  # (sink port, bytes) to time our uplink with: now, or at a tick
-        self.probe_until = 0.0  # our probe runs: until then (``holding``) we forward nothing
         self.probe_sent = 0  # chunks we had sent when it began (sent more by its end: not ``alone``)
         self.beat_at, self.received = now, {}  # the last heartbeat, and each link's bytes by then
         if self.probe_due:  # before we ask anyone for a chunk (see ``probe``)
@@ -74,7 +73,7 @@ class Membership:
         """Time our uplink for the tracker (WELCOME asked): ``probe_due`` bytes to the seeder's probe
         sink, timed by our kernel on a thread of its own (``uplink``); the loop reports the rate
         (``timed``).  It demotes a host whose uplink runs far slower than the others'.  Started as we
-        attach; having sent nothing yet, we forward nothing until it ends (``holding``, at most
+        attach; having sent nothing yet, we forward nothing until it ends (``serve.hold``, at most
         ``PROBE_HOLD``), so it has the uplink to itself whoever is placed under us meanwhile."""
         (port, size), self.probe_due = self.probe_due, None
         try:
@@ -84,18 +83,14 @@ class Membership:
         node = self.node
         self.probe_sent = node.stats.chunks_sent
         if not self.probe_sent:
-            self.probe_until = node.clock() + PROBE_HOLD
+            node.serve.hold(node.clock() + PROBE_HOLD)
         probe_in_background(host, port, size,
                             lambda t: node.post(b"uplink", b"" if t is None else TIMED.pack(t.rate, t.took)))
-
-    def holding(self, now: float) -> bool:
-        """Whether our uploads wait for our probe to end."""
-        return now < self.probe_until
 
     def timed(self, body: bytes) -> None:
         """Our probe's result (the inbox's b"uplink"; empty: it failed): tell the tracker, and whether the
         probe had our uplink to itself (``alone``: we forwarded nothing while it ran)."""
-        self.probe_until = 0.0
+        self.node.serve.hold(0.0)
         if body:
             rate, took = TIMED.unpack(body)
             self.post(protocol.control(Msg.PROBE, rate=round(rate), took=round(took, 6),

@@ -202,9 +202,8 @@ class Node:
         handlers = Handlers(self)
         try:
             while not self.stop_event.is_set():
-                held = self.member is not None and self.member.holding(self.clock())  # our probe has the uplink
-                busy = self.serve.pending() and not held
-                for sock, _ in self.poller.poll(1 if busy else 10 if held else 50):
+                busy = self.serve.pending()
+                for sock, _ in self.poller.poll(1 if busy else 50):
                     handlers.dispatch(sock)
                 self._flush()
                 self._tick(self.clock())
@@ -234,8 +233,6 @@ class Node:
         if self.endpoint is not None:
             for ident, frames in self.endpoint.take():
                 self._send(ident, *frames)
-        if self.member is not None and self.member.holding(self.clock()):
-            return
         blocked = set()
         for _ in range(SEND_BUDGET):
             item = self.serve.next(skip=blocked)

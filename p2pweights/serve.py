@@ -41,6 +41,7 @@ class UploadScheduler:
         self.asked: dict[bytes, dict[int, float]] = {}  # per link: stripe -> when it last asked for a chunk of it
         self.turn: deque = deque()  # round-robin order of links
         self.sent_count = [0] * n_chunks
+        self.held_until = 0.0  # ``hold``
 
     def attach(self, link: bytes) -> None:
         if link not in self.queues:
@@ -124,12 +125,20 @@ class UploadScheduler:
         now = self.clock()
         return {s for s, at in asked.items() if now - at < PULLING}
 
+    def hold(self, until: float) -> None:
+        """Send nothing before ``until`` (the clock's time; requests still queue): a joiner's uplink
+        probe has the uplink to itself (``member.Membership.probe``)."""
+        self.held_until = until
+
     def pending(self) -> bool:
-        return any(self.queues.values())
+        """Whether a chunk is due out now."""
+        return any(self.queues.values()) and self.clock() >= self.held_until
 
     def next(self, skip=()) -> tuple[bytes, int] | None:
         """The next ``(link, chunk)`` to send, round-robin over links not in ``skip``; it is
-        taken out of the queue (``blocked`` puts it back)."""
+        taken out of the queue (``blocked`` puts it back).  None while held."""
+        if self.held_until and self.clock() < self.held_until:
+            return None
         for _ in range(len(self.turn)):
             link = self.turn[0]
             self.turn.rotate(-1)

@@ -7,6 +7,7 @@ from p2pweights import protocol
 from p2pweights.member import Membership
 from p2pweights.protocol import Msg
 from p2pweights.pull import PullScheduler
+from p2pweights.serve import UploadScheduler
 
 CHUNK = 1 << 20
 
@@ -55,26 +56,30 @@ def test_a_probe_goes_out_as_we_attach_holds_our_uploads_and_reports_its_rate():
     try:
         for sent in (0, 5):
             posted, inbox = [], queue.Queue()
-            node = SimpleNamespace(clock=time.monotonic, pull=PullScheduler(8, CHUNK),
+            serve = UploadScheduler(8, holds=lambda i: True, clock=time.monotonic)
+            serve.attach(b"child")
+            serve.request(b"child", [3])  # a chunk asked of us, which we hold
+            node = SimpleNamespace(clock=time.monotonic, pull=PullScheduler(8, CHUNK), serve=serve,
                                    stats=SimpleNamespace(chunks_sent=sent), post=lambda verb, body: inbox.put(body))
             link = SimpleNamespace(send=lambda frame, flags: posted.append(frame))
             member = Membership(node, link, f"127.0.0.1:{sink.port}", {}, tracker_timeout=10.0, give_up_after=10.0,
                                 probe={"port": sink.port, "bytes": PROBE_BYTES})
-            assert member.holding(time.monotonic()) == (sent == 0)
+            assert serve.pending() == (sent != 0)  # having sent nothing yet, we hold it while probing
             body = inbox.get(timeout=30)
             assert posted == []
             if sent:
                 node.stats.chunks_sent += 1  # forwarded one while the probe ran
             member.timed(body)
-            assert not member.holding(time.monotonic())
+            assert serve.pending() and serve.next() == (b"child", 3)
             [event] = [protocol.decode([frame]) for frame in posted]
             assert event.type == Msg.PROBE and event.fields["rate"] > 0 and event.fields["took"] >= 0
             assert event.fields["alone"] is (sent == 0)
         while sink.drained < 2 * PROBE_BYTES:  # every byte reached the sink (the test's timeout bounds this)
             time.sleep(0.01)
         assert sink.drained == 2 * PROBE_BYTES
+        serve.hold(time.monotonic() + 60)
         member.timed(b"")  # a probe that failed: nothing told, nothing held
-        assert len(posted) == 1 and not member.holding(time.monotonic())
+        assert len(posted) == 1 and serve.held_until == 0.0
     finally:
         sink.close()
 

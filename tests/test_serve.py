@@ -27,6 +27,23 @@ def test_links_are_served_round_robin_whatever_they_ask():
     assert drain(s) == [(b"a", 0), (b"b", 4), (b"a", 1), (b"a", 2), (b"a", 3)]
 
 
+def test_a_hold_sends_nothing_until_it_ends_and_requests_queue_meanwhile():
+    # a joiner's uplink probe has the uplink to itself: what children ask waits for its end
+    now = [0.0]
+    s = UploadScheduler(8, held("11111111"), clock=lambda: now[0])
+    s.attach(b"a")
+    s.hold(0.25)
+    s.request(b"a", [0, 1])
+    assert not s.pending() and s.next() is None
+    now[0] = 0.1
+    s.hold(0.0)  # the probe ended early
+    assert s.pending() and drain(s) == [(b"a", 0), (b"a", 1)]
+    s.hold(0.5)
+    s.request(b"a", [2])
+    now[0] = 0.5  # or the hold ran out
+    assert drain(s) == [(b"a", 2)]
+
+
 def test_only_what_was_asked_and_parked_until_verified():
     s = UploadScheduler(4, held("1..."))
     s.attach(b"a")
