@@ -19,7 +19,7 @@ import time
 
 from . import fleet, protocol
 from .protocol import MAX_NAME, YOUNG, Msg, ProtocolError
-from .tracker import PROBE_BYTES, PROBE_MIN_TIME, TrackerError
+from .tracker import PROBE_BYTES, PROBE_MIN_TIME, ROOT_LOAN_SHARE, TrackerError
 
 log = logging.getLogger("p2pw")
 
@@ -121,10 +121,13 @@ class TrackerEndpoint:
         rank = self.members.get(ident)
         if rank is not None and rank in self.tracker.members:
             m = self.tracker.members[rank]
+            lendable = self.tracker.loan.open
             if not m.done:  # the mean rate of its download, for status
                 self.tracker.done(rank, seconds=max(self.tracker.clock() - m.joined, 1e-9))
             self.changed = True
             log.info("peer rank %d is done", rank)
+            if lendable and self.tracker.loan.to:
+                log.info("every chunk has left the seeder: its uplink is lent to ranks %s", self.tracker.loan.to)
             self._announce()  # whom it pulled from may be waiting to leave (``Tracker.take_unparented``)
 
     def leave(self, ident: bytes, f: dict) -> None:
@@ -197,9 +200,14 @@ class TrackerEndpoint:
         self.snapshot_cost = time.perf_counter() - t0  # 10,000 members: about 0.1 s, so one every 2 s
         return self.fleet
 
-    def review(self) -> None:
+    def review(self, sent: int = 0) -> None:
         """Every REVIEW_INTERVAL (YOUNG_REVIEW_INTERVAL within YOUNG of a join): demote hosts whose uplink
-        delivers well below the fleet's."""
+        delivers well below the fleet's.  Each time: once the seeder has ``sent`` its loan's budget of
+        chunks, the peers it was lent to are told it is no partner of theirs any more."""
+        if self.tracker.loan.to and sent >= (1 + ROOT_LOAN_SHARE) * self.manifest.n_chunks:
+            log.info("the seeder's uplink, lent to ranks %s, has sent its budget", self.tracker.loan.to)
+            self.tracker.moved.extend(self.tracker.loan.spent())
+            self._announce()
         now = self.clock()
         if now < self.next_review:
             return

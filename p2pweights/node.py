@@ -270,7 +270,7 @@ class Node:
             self.next_heartbeat = now + (YOUNG_HEARTBEAT_INTERVAL if now < self.young_until else HEARTBEAT_INTERVAL)
             self._heartbeat(now)
         if self.endpoint is not None:
-            self.endpoint.review()
+            self.endpoint.review(self.stats.chunks_sent)
             self.endpoint.publish(now)
         self.partners.watch(now)
         for rank, chunks in self.pull.stalled():

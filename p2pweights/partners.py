@@ -88,7 +88,8 @@ class Partners:
                 told.append(p)
         downstream = {p["rank"]: p.get("downstream") for p in told}
         n.pull.set_downstream({r: d for r, d in downstream.items() if isinstance(d, int) and d >= 0},
-                              {p["rank"] for p in told if p.get("slow") is True})
+                              {p["rank"] for p in told if p.get("slow") is True},
+                              lent=any(p["rank"] == 0 and p.get("lent") is True for p in told))
         if [x for x in plan if x is not None] != [x for x in n.pull.plan if x is not None]:
             n.stats.reparented += 1 if self.plan else 0
         self.plan = [{"stripe": s, "rank": r, "addr": want.get(r, "")} for s, r in enumerate(plan) if r is not None]

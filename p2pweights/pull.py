@@ -161,7 +161,8 @@ class PullScheduler:
         self.holders = [0] * n_chunks  # ready links holding each chunk
         self._avail = 0  # during ``requests``: what a pick may still take
         self.links: dict[int, Link] = {}
-        self.downstream: dict[int, int] = {}  # rank -> peers its uplink feeds through its children
+        self.downstream, self.seeder_lent = {}, False  # rank -> peers its uplink feeds through its children;
+        #                                               whether the tracker lent us the seeder (``set_downstream``)
         self.slow: set[int] = set()  # ranks the tracker demoted (slow uplinks): asked for help last
         self.ending = False  # every chunk we miss is held by a partner (see ``_help_mask``)
         self.plan: list[int | None] = [None] * stripes
@@ -248,12 +249,10 @@ class PullScheduler:
                 self._withdraw(lk, moved)
         self.plan = list(plan)
 
-    def set_downstream(self, downstream: dict[int, int], slow=()) -> None:
-        """Peers each partner's uplink feeds beyond its children, and the partners the tracker
-        found slow (demoted): both the tracker's; unknown: none, not slow."""
-        self.dirty = True
-        self.downstream = dict(downstream)
-        self.slow = set(slow)
+    def set_downstream(self, downstream: dict[int, int], slow=(), lent: bool = False) -> None:
+        """Peers each partner's uplink feeds beyond its children, the partners the tracker found slow
+        (demoted), whether it lent us the seeder (in the end phase it helps as partners do): the tracker's."""
+        self.dirty, self.downstream, self.slow, self.seeder_lent = True, dict(downstream), set(slow), lent
 
     # ----- chunks ------------------------------------------------------------
 
@@ -554,7 +553,8 @@ def _help(sched: PullScheduler, ready: list[Link], lagging: int, typical: float,
     cheapest = _cheapest(sched, ready, lagging & sched._avail, typical)  # what is still to ask
     cands = [lk for lk in sched.rng.sample(ready, len(ready))  # random: ``min`` below keeps the first of equals
              if lk.rank != SEEDER and ((cost := _cost(sched, lk, typical)) <= cheapest and cost[1] <= HELP_DOWNSTREAM
-                                       or sched.ending and cost[0] <= cheapest[0])]
+                                       or sched.ending and cost[0] <= cheapest[0])
+             or lk.rank == SEEDER and sched.ending and sched.seeder_lent]  # lent: its uplink idles otherwise
     if planned & sched.slow:  # a demoted source's stripe comes mostly from partners: each cheap one helps (the
         #                       peer so fed finished last, two helpers at two requests while finished hosts idled)
         budget = max(budget, HELP_WINDOW * len(cands) - sum(helping[lk.rank] for lk in cands))

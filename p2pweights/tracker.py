@@ -47,6 +47,8 @@ PROBE_SLOW = 0.4  # a judged probe below this share of the probes' median demote
 PROBE_CLEARS = 0.5  # a joiner whose probe ran at this share of the probes' median or better is not demoted
 #                    by its first rates (while ``protocol.YOUNG``): a fast host still starting delivers slowly
 PROBE_QUORUM = 5  # probes in before a probe judged against their median is settled (earlier ones are judged again)
+ROOT_LOANS = 4  # peers furthest behind the seeder's uplink is lent to once every chunk has left it
+ROOT_LOAN_SHARE = 0.08  # it serves them until it has sent this share of the blob beyond one copy (<= 1.1 S)
 
 
 @dataclass
@@ -196,6 +198,35 @@ class Roster:
         return told
 
 
+class RootLoan:
+    """The seeder's uplink lent to the peers furthest behind once every chunk has left it (the
+    first peer done holds them all): from then on it idled while the last peers took their
+    backlog from partners alone.  Lent once, until ``spent`` (the endpoint counts what it sent)."""
+
+    def __init__(self):
+        self.to: list[int] = []
+        self.open = True
+
+    def lend(self, members: dict[int, Member], live: list[int]) -> list[int]:
+        """Lend it to up to ``ROOT_LOANS`` unfinished peers with the fewest chunks that do not pull
+        from it by plan; returns them (each must be told)."""
+        if not self.open:
+            return []
+        self.open = False
+        behind = [r for r in live if not members[r].done and ROOT not in members[r].parents]
+        self.to = sorted(behind, key=lambda r: (members[r].have, r))[:ROOT_LOANS]
+        return list(self.to)
+
+    def entries(self, rank: int, root_listen: str) -> list[dict]:
+        """The seeder as a partner entry (``Tracker.partner_addrs``) of ``rank``, if lent to it."""
+        return [{"rank": ROOT, "addr": root_listen, "lent": True}] if rank in self.to else []
+
+    def spent(self) -> list[int]:
+        """The budget is spent: the peers it was lent to (each must be told)."""
+        told, self.to = self.to, []
+        return told
+
+
 class Pullers:
     """Who pulls from whom; every change of a member's parents goes through here.
 
@@ -258,12 +289,9 @@ class Tracker:
         self.pullers = Pullers()  # who pulls from whom, and whom a peer stopped pulling from
         self.rng = random.Random(0x9E3779B9)
         self.roster = Roster(self.members, self.rng)  # who is live, and whom each partners with
-        self.probes: list[float] = []  # every probe rate in, sorted (their median judges each)
-        self.unsettled: set[int] = set()  # probed before PROBE_QUORUM probes were in: judged again
+        self.probes, self.unsettled = [], set()  # probe rates in, sorted; ranks probed before PROBE_QUORUM's in
+        self.loan = RootLoan()  # the seeder's uplink, lent to the last peers once every chunk has left it
         self.judged: dict[int, float] = {}  # the uplinks the last review judged (rank -> bytes/s)
-
-    def alive(self) -> set[int]:
-        return set(self.roster.live)
 
     def listen_of(self, rank: int) -> str:
         return self.root_listen if rank == ROOT else self.members[rank].listen
@@ -337,7 +365,7 @@ class Tracker:
     def _place(self, rank: int) -> list[int]:
         if self.placed:
             return self.topology.parents(rank)
-        alive = self.alive()
+        alive = set(self.roster.live)
         return [live_parent(self.topology, rank, s, alive) for s in range(self.topology.stripes)]
 
     def parent_addrs(self, member: Member) -> list[dict]:
@@ -349,7 +377,7 @@ class Tracker:
         """Partners, each with ``downstream`` (Forest plans): how many peers its uplink feeds through
         its children, so help is asked first of partners whose uplink holds back nobody further."""
         return [{"rank": p, "addr": self.listen_of(p), **self._about(p)} for p in member.partners
-                if p in self.members and not self.members[p].left]
+                if p in self.members and not self.members[p].left] + self.loan.entries(member.rank, self.root_listen)
 
     def _about(self, rank: int) -> dict:
         """What a peer is told of a partner: ``downstream``, and ``slow`` once it is demoted (help
@@ -363,7 +391,8 @@ class Tracker:
         m = self._member(rank)
         m.done, m.seconds, m.done_at = True, seconds, self.clock()
         self.pullers.stop(m)
-        self.moved.extend(self.roster.lend(m) if self.placed else ())  # its uplink to the peers furthest behind
+        if self.placed:  # its uplink to the peers furthest behind, and the seeder's (once: the first done)
+            self.moved += [*self.roster.lend(m), *self.loan.lend(self.members, self.roster.live)]
 
     def dependents(self, rank: int) -> list[int]:
         """Unfinished peers that pull from ``rank`` in some stripe."""
@@ -415,7 +444,7 @@ class Tracker:
 
     def _ancestor(self, rank: int, stripe: int) -> int:
         """The nearest live ancestor of ``rank`` in tree ``stripe``."""
-        alive = self.alive()
+        alive = set(self.roster.live)
         parent = rank
         while parent != ROOT:
             parent = self.topology.parents(parent)[stripe]

@@ -285,3 +285,29 @@ def test_a_short_probe_counts_in_the_median_but_demotes_nobody_and_a_garbage_one
 def test_a_seeder_without_a_probe_sink_asks_no_joiner_for_a_probe(manifest):
     ep, _ = endpoint(manifest)
     assert not any("uplink_probe" in e.fields for _, e in join(ep, 3))
+
+
+def test_the_first_peer_done_lends_the_seeder_to_the_peers_furthest_behind_until_its_budget_is_sent(manifest):
+    # a peer that is done holds every chunk, so every chunk has left the seeder: its uplink idles
+    # from then on, unless lent to the peers with the fewest chunks that do not pull from it by plan
+    from p2pweights.tracker import ROOT_LOAN_SHARE, ROOT_LOANS
+
+    ep, _ = endpoint(manifest)
+    join(ep, 8)
+    for r in range(1, 9):
+        ep.heartbeat(f"id{r}".encode(), {"have": 10 * r})
+    sent(ep)
+    ep.done(b"id8", {})
+    told = {i: e.fields["partners"] for i, e in sent(ep) if e.type == Msg.REPARENT}
+    behind = [r for r in range(1, 8) if 0 not in ep.tracker.members[r].parents][:ROOT_LOANS]
+    assert len(behind) == ROOT_LOANS and ep.tracker.loan.to == behind
+    root = {"rank": 0, "addr": "10.0.0.0:7420", "lent": True}
+    assert all(root in told[f"id{r}".encode()] for r in behind)
+    ep.done(b"id7", {})  # lent once only
+    assert ep.tracker.loan.to == behind
+    sent(ep)
+    ep.review(sent=manifest.n_chunks)  # one copy sent: the budget (its share beyond it) is not spent
+    assert ep.tracker.loan.to == behind
+    ep.review(sent=int(manifest.n_chunks * (1 + ROOT_LOAN_SHARE)) + 1)
+    told = {i: e.fields["partners"] for i, e in sent(ep) if e.type == Msg.REPARENT}
+    assert ep.tracker.loan.to == [] and all(root not in told[f"id{r}".encode()] for r in behind)

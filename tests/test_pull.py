@@ -223,6 +223,21 @@ def test_once_every_chunk_we_miss_is_at_a_partner_each_helps_with_its_whole_wind
     assert len(got[1]) == 8 and sum(len(v) for r, v in got.items() if r != 1) <= HELP_WINDOW * 2
 
 
+def test_a_seeder_lent_to_us_helps_in_the_end_phase_with_its_whole_window():
+    # every chunk has left the seeder and the tracker lent its idle uplink to us, a peer far behind:
+    # it helps as a finished partner does (without the loan it is never asked: see above)
+    links = {1: "1" * 62 + "..", 2: "1" * 63 + ".", 3: "1" * 62 + ".1", 0: "1" * 64}
+    s, _ = sched(n=64, have="1" * 16 + "." * 48, links=links, plan=(1,), window=8)
+    s.set_downstream({1: 2, 2: 2, 3: 2}, lent=True)
+    got = asked(s)
+    assert {r: len(v) for r, v in got.items()} == {0: 8, 1: 8, 2: 8, 3: 8}
+    assert len({i for v in got.values() for i in v}) == 32  # none asked twice
+    links[3] = "1" * 62 + ".."  # chunk 63 is the seeder's alone: not the end phase yet, so no help from it
+    s, _ = sched(n=64, have="1" * 16 + "." * 48, links=links, plan=(1,), window=8)
+    s.set_downstream({1: 2, 2: 2, 3: 2}, lent=True)
+    assert len(asked(s).get(0, [])) <= 1  # (at most the one chunk nobody else holds, as ever)
+
+
 def test_a_finished_partner_is_not_judged_slow_by_the_rate_it_had_while_it_forwarded():
     # 3 delivered slowly while its uplink fed its own children; it holds every chunk now: it helps
     s, _ = sched(n=64, have="1" * 16 + "." * 48, links={1: "1" * 64, 2: "1" * 64, 3: "1" * 64}, plan=(1,), window=8)
