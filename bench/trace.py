@@ -40,10 +40,16 @@ def arrivals(run: dict) -> dict[str, list[tuple[float, int, str, bool]]]:
 
 
 def phases(run: dict, got: dict | None = None) -> dict | None:
-    """Seconds since launch: the seeder's first and last chunk (verified at its receivers), the first and
-    last peer done, the last exit; ``end``: the last peer done after the seeder's last chunk. None untraced.
-    ``got``: the run's ``arrivals``, where the caller has them."""
-    seeded = [t for a in (arrivals(run) if got is None else got).values() for t, _, src, _ in a if src == "S"]
+    """Seconds since launch: the seeder's first and last chunk (verified at its receivers; the last: when
+    the last chunk to leave it arrived, its first copy, not a copy it sent again once lent to the last
+    peers), the first and last peer done, the last exit; ``end``: the last peer done after the seeder's
+    last chunk. None untraced.  ``got``: the run's ``arrivals``, where the caller has them."""
+    first: dict[int, float] = {}  # chunk -> its first arrival from the seeder
+    for a in (arrivals(run) if got is None else got).values():
+        for t, i, src, _ in a:
+            if src == "S" and t < first.get(i, float("inf")):
+                first[i] = t
+    seeded = list(first.values())
     done = [r["done_at"] for r in run["reports"].values() if isinstance(r.get("done_at"), (int, float))]
     if not seeded or not done:
         return None

@@ -150,7 +150,8 @@ class Node:
                     self._outside = self.ctx.socket(zmq.PUSH)
                     self._outside.setsockopt(zmq.LINGER, 0)
                     self._outside.connect(self.inbox_addr)
-                self._outside.send_multipart([verb, body], zmq.NOBLOCK)
+                if self._outside:  # False once stopped: a socket opened now would keep its context from ending
+                    self._outside.send_multipart([verb, body], zmq.NOBLOCK)
             except zmq.ZMQError:  # the inbox is full, or the node is closed (its context ended): nobody to tell
                 pass
 
@@ -174,9 +175,9 @@ class Node:
         if self.thread and self.thread is not threading.current_thread():
             self.thread.join(timeout)
         with self._outside_lock:
-            if self._outside is not None:
+            if self._outside:
                 self._outside.close(0)
-                self._outside = None
+            self._outside = False  # a late post (a probe's thread) opens nothing (``post``)
 
     # ----- setup ---------------------------------------------------------
 

@@ -102,13 +102,14 @@ def test_ab_reads_each_run_s_cases_and_says_in_how_many_pairs_b_was_faster():
 
 
 def test_ab_and_trace_time_the_end_phase_of_a_traced_run():
-    # the end phase: the last peer done after the seeder's last chunk (as its receivers verified it)
+    # the end phase: the last peer done after the seeder's last chunk (as its receivers verified it: the
+    # first copy of the last chunk to leave it; receiver 2 gets chunk 1 again later from the seeder, lent)
     import ab
 
     def traced(seeder_last, done_last):  # two receivers; reports as fleet.py keeps them (seconds since launch)
         return {"tool": "p2pw", "case": "slow2", "n": 2, "time": done_last + 0.05, "reports": {
             "1": {"rank": 1, "started_at": 0.3, "done_at": 5.0, "chunks": [[0.1, 0, 0, 0], [seeder_last - 0.3, 1, 0, 0]]},
-            "2": {"rank": 2, "started_at": 0.3, "done_at": done_last, "chunks": [[0.2, 0, 1, 1], [4.5, 1, 1, 1]]}}}
+            "2": {"rank": 2, "started_at": 0.3, "done_at": done_last, "chunks": [[0.2, 0, 1, 1], [4.5, 1, 0, 1]]}}}
 
     doc = {"summaries": [{"case": "slow2", "n": 2, "ratio": 1.3, "busy": 0.6, "demoted": [[], []]}],
            "runs": [traced(4.0, 4.9), traced(4.2, 5.5)]}

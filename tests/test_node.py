@@ -76,3 +76,24 @@ def test_leave_and_wake_reach_the_loop_through_its_inbox_and_run_its_timers_at_o
         assert node.inbox.poll(5000)
         handlers.on_inbox(node.inbox)
         assert node.next_timers == 0.0 and node.leave_when_done == leaving
+
+
+def test_a_post_after_stop_opens_no_socket_so_the_context_can_end():
+    # a probe's thread reports after the download closed: its post must not open a socket that
+    # would keep the context's term() waiting forever
+    import threading
+
+    m = Manifest(total_size=8192, chunk_size=4096, chunks=["0" * 16, "0" * 16])
+    ctx = zmq.Context()
+    router, _ = bind_router(ctx, "127.0.0.1", 0)
+    n = Node(ctx, router, m, Store(m), peer_id="t")
+    n.post(b"wake")  # opens the socket other threads post through
+    n.stop(timeout=0)
+    late = threading.Thread(target=n.post, args=(b"uplink", b""))
+    late.start()
+    late.join(10)
+    n._close_sockets()
+    ended = threading.Thread(target=ctx.term, daemon=True)
+    ended.start()
+    ended.join(10)
+    assert not ended.is_alive()

@@ -107,7 +107,7 @@ def test_a_gone_peer_leaves_its_partners_lists_and_they_take_new_ones():
     friends = list(t.members[victim].partners)
     t.gone(victim)
     assert all(victim not in t.members[p].partners for p in friends)
-    assert victim not in t.alive() and len(t.alive()) == 199
+    assert victim not in t.roster.live and len(t.roster.live) == 199
     lonely = [p for p in friends if len(t.members[p].partners) < PARTNERS]
     newcomer = t.join("late", "tcp://late:1")
     assert victim not in newcomer.partners
