@@ -25,7 +25,8 @@ LEAVE_POLL = 1.0  # seconds between LEAVEs while told to wait (the tracker sends
 RETRY_INTERVAL = 1.0  # ORPHAN / HELLO resend while waiting for the tracker
 WAIT_REPORT = 10.0  # seconds between "waiting for ..." lines when nothing arrives
 MAX_PROBE = 4 << 20  # most bytes a WELCOME may ask us to send as a probe (the probe sink's limit)
-TIMED = struct.Struct("<dd")  # the inbox's b"uplink": a probe's rate (bytes/s) and seconds (empty: it failed)
+TIMED = struct.Struct("<ddd")  # the inbox's b"uplink": a probe's rate (bytes/s), seconds sending, seconds from its
+#                               start to its last byte acknowledged (empty: it failed)
 PROBE_HOLD = 0.25  # seconds a joiner that has sent nothing yet holds its uploads while its probe runs (a quarter
 #                    of 400 Mbit/s takes 70-76 ms): forwarding beside it, early joiners' probes read 19-22 MB/s
 
@@ -85,16 +86,18 @@ class Membership:
         if not self.probe_sent:
             node.serve.hold(node.clock() + PROBE_HOLD)
         probe_in_background(host, port, size,
-                            lambda t: node.post(b"uplink", b"" if t is None else TIMED.pack(t.rate, t.took)))
+                            lambda t: node.post(b"uplink", b"" if t is None else TIMED.pack(t.rate, t.took, t.after)))
 
     def timed(self, body: bytes) -> None:
         """Our probe's result (the inbox's b"uplink"; empty: it failed): tell the tracker, and whether the
-        probe had our uplink to itself (``alone``: we forwarded nothing while it ran)."""
+        probe had our uplink to itself (``alone``): its last byte was acknowledged while our uploads were
+        held, or we forwarded nothing until now.  (Reported late on a busy machine, a probe held past
+        ``PROBE_HOLD`` was counted as sharing the uplink, and two slow hosts went unjudged.)"""
         self.node.serve.hold(0.0)
         if body:
-            rate, took = TIMED.unpack(body)
-            self.post(protocol.control(Msg.PROBE, rate=round(rate), took=round(took, 6),
-                                       alone=self.node.stats.chunks_sent == self.probe_sent))
+            rate, took, after = TIMED.unpack(body)
+            alone = not self.probe_sent and after <= PROBE_HOLD or self.node.stats.chunks_sent == self.probe_sent
+            self.post(protocol.control(Msg.PROBE, rate=round(rate), took=round(took, 6), alone=alone))
 
     def welcomed_again(self, rank: int, probe=None) -> None:
         """A restarted tracker took us back (as ``rank``)."""

@@ -32,8 +32,9 @@ _TCP_INFO_LEN = 192  # through tcpi_rwnd_limited (Linux 4.10+); an older kernel 
 _UNACKED, _NOTSENT, _ACKED, _BUSY = struct.Struct("<I"), struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<QQ")
 
 
-UplinkTiming = namedtuple("UplinkTiming", "rate took")  # a probe: bytes/s over seconds of sending (a join
-#                                                        imports no dataclasses: see tests/test_loader.py)
+UplinkTiming = namedtuple("UplinkTiming", "rate took after", defaults=(0.0,))  # a probe: bytes/s over seconds
+#   of sending; ``after``: seconds from its start (connecting) to its last byte acknowledged (a join imports no
+#   dataclasses: see tests/test_loader.py)
 
 
 def timing_from(info: bytes, size: int, wall: float) -> UplinkTiming:
@@ -55,10 +56,12 @@ def split_host_port(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def time_uplink(host: str, port: int, size: int, timeout: float = PROBE_TIMEOUT) -> UplinkTiming:
+def time_uplink(host: str, port: int, size: int, timeout: float = PROBE_TIMEOUT, began: float | None = None
+                ) -> UplinkTiming:
     """Send ``size`` zero bytes to a ``ProbeSink`` at host:port and time them (blocks; OSError,
-    TimeoutError on failure).  Through ``_socket``: a join does not import ``socket`` (see
-    ``api.local_ip_towards``)."""
+    TimeoutError on failure); ``began``: when the probe was started (``time.monotonic``; default now).
+    Through ``_socket``: a join does not import ``socket`` (see ``api.local_ip_towards``)."""
+    began = time.monotonic() if began is None else began
     deadline = time.monotonic() + timeout
     family, kind, proto, _, where = _socket.getaddrinfo(host, port, 0, _socket.SOCK_STREAM)[0]
     s = _socket.socket(family, kind, proto)
@@ -78,16 +81,20 @@ def time_uplink(host: str, port: int, size: int, timeout: float = PROBE_TIMEOUT)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"probe bytes to {host}:{port} unacknowledged after {timeout:g} s")
             time.sleep(0.001)
-        return timing_from(info, size, time.monotonic() - start)
+        end = time.monotonic()
+        return timing_from(info, size, end - start)._replace(after=end - began)
     finally:
         s.close()
 
 
 def probe_in_background(host: str, port: int, size: int, report) -> threading.Thread:
-    """Run ``time_uplink`` on a daemon thread; ``report(timing)`` gets its result, or None if it failed."""
+    """Run ``time_uplink`` on a daemon thread; ``report(timing)`` gets its result, or None if it failed
+    (its ``after`` counts from this call)."""
+    began = time.monotonic()
+
     def run():
         try:
-            timing = time_uplink(host, port, size)
+            timing = time_uplink(host, port, size, began=began)
         except (OSError, ValueError) as e:  # the sink unreachable (a firewall, NAT): the rate reviews judge us
             log.debug("uplink probe to %s:%d failed: %s", host, port, e)
             timing = None

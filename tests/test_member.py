@@ -94,3 +94,26 @@ def test_a_welcome_s_malformed_probe_ask_sends_nothing():
         member = Membership(node, link, "127.0.0.1:7420", {}, tracker_timeout=10.0, give_up_after=10.0, probe=ask)
         assert member.probe_due is None
     assert posted == []
+
+
+def test_a_probe_acknowledged_within_its_hold_was_alone_however_late_its_report_came():
+    # on a busy machine the loop hears of a probe late, after the hold ran out and we forwarded: what
+    # counts is whether its last byte was acknowledged while our uploads were held
+    from p2pweights.member import PROBE_HOLD, TIMED
+
+    posted = []
+    serve = UploadScheduler(8, holds=lambda i: True, clock=time.monotonic)
+    node = SimpleNamespace(clock=time.monotonic, pull=PullScheduler(8, CHUNK), serve=serve,
+                           stats=SimpleNamespace(chunks_sent=0))
+    link = SimpleNamespace(send=lambda frame, flags: posted.append(frame))
+    member = Membership(node, link, "127.0.0.1:7420", {}, tracker_timeout=10.0, give_up_after=10.0)
+    node.stats.chunks_sent = 3  # the hold ran out before the report came: we forwarded
+    for after, alone in ((PROBE_HOLD / 2, True), (2 * PROBE_HOLD, False)):
+        member.timed(TIMED.pack(13e6, 0.08, after))
+        assert protocol.decode([posted.pop()]).fields["alone"] is alone
+    member.probe_sent = 3  # probing while already forwarding (no hold): alone only if we sent nothing since
+    member.timed(TIMED.pack(50e6, 0.02, PROBE_HOLD / 2))
+    assert protocol.decode([posted.pop()]).fields["alone"] is True
+    node.stats.chunks_sent = 4
+    member.timed(TIMED.pack(50e6, 0.02, PROBE_HOLD / 2))
+    assert protocol.decode([posted.pop()]).fields["alone"] is False
