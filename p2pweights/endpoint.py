@@ -102,8 +102,8 @@ class TrackerEndpoint:
 
     def probe(self, ident: bytes, f: dict) -> None:
         """PROBE: the member's uplink as its kernel timed ``PROBE_BYTES`` sent to the seeder's probe
-        sink (``uplink``): ``rate`` bytes/s over ``took`` seconds, ``alone`` if it forwarded nothing
-        meanwhile (the probe had its uplink to itself).  A host far below the others is demoted now."""
+        sink (``uplink``): ``rate`` bytes/s over ``took`` seconds, ``alone`` if the probe had its uplink
+        to itself (``member.Membership.timed``).  A host far below the others is demoted now."""
         rank = self.members.get(ident)
         if rank is None:
             raise ProtocolError("PROBE from a connection that never joined")
