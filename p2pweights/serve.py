@@ -130,14 +130,20 @@ class UploadScheduler:
         probe has the uplink to itself (``member.Membership.probe``)."""
         self.held_until = until
 
+    def _held(self) -> bool:
+        """Whether a ``hold`` is on; one that has run out is forgotten (no clock read per chunk after)."""
+        if self.held_until and self.clock() >= self.held_until:
+            self.held_until = 0.0
+        return self.held_until != 0.0
+
     def pending(self) -> bool:
         """Whether a chunk is due out now."""
-        return any(self.queues.values()) and self.clock() >= self.held_until
+        return any(self.queues.values()) and not self._held()
 
     def next(self, skip=()) -> tuple[bytes, int] | None:
         """The next ``(link, chunk)`` to send, round-robin over links not in ``skip``; it is
         taken out of the queue (``blocked`` puts it back).  None while held."""
-        if self.held_until and self.clock() < self.held_until:
+        if self.held_until and self._held():
             return None
         for _ in range(len(self.turn)):
             link = self.turn[0]

@@ -29,7 +29,7 @@ PROBE_IDLE = 5.0  # seconds a probe connection may stay silent before the sink c
 MAX_PROBE_BYTES = 4 << 20  # the sink closes a connection that sends more than this
 PROBE_TIMEOUT = 10.0  # seconds a joiner gives its probe (connecting, sending, every byte acknowledged)
 _TCP_INFO_LEN = 192  # through tcpi_rwnd_limited (Linux 4.10+); an older kernel returns less
-_UNACKED, _NOTSENT, _ACKED, _BUSY = struct.Struct("<I"), struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<QQ")
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")  # TCP_INFO's fields, at their offsets below
 
 
 UplinkTiming = namedtuple("UplinkTiming", "rate took after", defaults=(0.0,))  # a probe: bytes/s over seconds
@@ -43,7 +43,7 @@ def timing_from(info: bytes, size: int, wall: float) -> UplinkTiming:
     time (the receiver not reading), in jiffies, so to 1-4 ms; ``wall``, the sender's own clock
     from the first byte to the last acknowledgement, where the kernel says less."""
     if len(info) >= _TCP_INFO_LEN:
-        (acked,), (busy, rwnd_limited) = _ACKED.unpack_from(info, 120), _BUSY.unpack_from(info, 168)
+        acked, busy, rwnd_limited = (_U64.unpack_from(info, at)[0] for at in (120, 168, 176))
         took = (busy - rwnd_limited) / 1e6
         if acked >= size and took > 0:
             return UplinkTiming(acked / took, took)
@@ -76,7 +76,8 @@ def time_uplink(host: str, port: int, size: int, timeout: float = PROBE_TIMEOUT,
         s.sendall(bytes(size))
         while True:
             info = s.getsockopt(_socket.IPPROTO_TCP, _socket.TCP_INFO, _TCP_INFO_LEN)
-            if len(info) < 148 or (_UNACKED.unpack_from(info, 24)[0] == 0 and _NOTSENT.unpack_from(info, 144)[0] == 0):
+            if len(info) < 148 or not (_U32.unpack_from(info, 24)[0] or _U32.unpack_from(info, 144)[0]):  # unacked,
+                #                                                                     not sent: all acknowledged
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"probe bytes to {host}:{port} unacknowledged after {timeout:g} s")

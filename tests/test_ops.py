@@ -19,15 +19,9 @@ from p2pweights import api, fleet, keys
 from p2pweights.topology import make as make_topology
 from p2pweights.tracker import Tracker
 
-from conftest import p2pw_argv
+from conftest import free_port, p2pw_argv
 
 CHUNK = "256KiB"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import ROOT, p2pw_argv, same_tree
+from conftest import ROOT, free_port, p2pw_argv, same_tree
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto")
@@ -31,12 +31,6 @@ from p2pweights.objstore import Retry  # noqa: E402
 
 CREDS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 SHARD = "model-00002-of-00003.safetensors"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MotoServer:

@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+from conftest import free_port, same_tree
+
 from p2pweights.uplink import ProbeSink, UplinkTiming, probe_in_background, split_host_port, time_uplink, timing_from
 
 pytestmark = pytest.mark.timeout(60)
@@ -18,7 +20,7 @@ def sink():
     s.close()
 
 
-def wait_for(predicate, what: str):
+def wait_for(predicate):
     while not predicate():  # the test's timeout bounds this
         time.sleep(0.01)
 
@@ -35,7 +37,7 @@ def closed_by_peer(conn: socket.socket) -> bool:
 def test_a_probe_s_bytes_all_reach_the_sink_and_its_kernel_times_them(sink):
     timing = time_uplink("127.0.0.1", sink.port, 1 << 20)
     assert timing.rate > 0 and timing.took > 0
-    wait_for(lambda: sink.drained == 1 << 20, "the sink to drain the probe")
+    wait_for(lambda: sink.drained == 1 << 20)
     assert sink.drained == 1 << 20
 
 
@@ -44,11 +46,8 @@ def test_probes_in_background_report_their_result_or_none_when_nothing_listens(s
     done = threading.Event()
     probe_in_background("127.0.0.1", sink.port, 4096, lambda t: (got.append(t), done.set()))
     assert done.wait(30) and isinstance(got[0], UplinkTiming)
-    with socket.socket() as spare:  # a port nothing listens on
-        spare.bind(("127.0.0.1", 0))
-        port = spare.getsockname()[1]
     done.clear()
-    probe_in_background("127.0.0.1", port, 4096, lambda t: (got.append(t), done.set()))
+    probe_in_background("127.0.0.1", free_port(), 4096, lambda t: (got.append(t), done.set()))
     assert done.wait(30) and got[1] is None
 
 
@@ -64,7 +63,7 @@ def test_the_sink_closes_a_connection_that_sends_too_much_and_keeps_draining_oth
 def test_the_sink_closes_idle_and_surplus_connections_and_stays_up(sink):
     idle = [socket.create_connection(("127.0.0.1", sink.port)) for _ in range(4)]
     try:
-        wait_for(lambda: len(sink._open) == 4, "four connections accepted")
+        wait_for(lambda: len(sink._open) == 4)
         with socket.create_connection(("127.0.0.1", sink.port)) as surplus:
             assert closed_by_peer(surplus)  # beyond its 4 at once: closed unread
         assert all(closed_by_peer(c) for c in idle)  # silent for longer than its idle limit
@@ -94,12 +93,7 @@ def test_addresses_split_into_host_and_port():
 
 
 def test_joiners_time_their_uplinks_against_the_seeder_s_probe_port(procs, tmp_path, model_dir):
-    from conftest import same_tree
-
-    with socket.socket() as spare:
-        spare.bind(("127.0.0.1", 0))
-        port = spare.getsockname()[1]
-    seeder, info = procs.seeder(model_dir, "--probe-port", port)
+    seeder, info = procs.seeder(model_dir, "--probe-port", free_port())
     joins = [procs.join(info["port"], tmp_path / f"o{k}") for k in range(2)]
     for k, j in enumerate(joins):
         assert j.wait(60) == 0, j.output()
