@@ -19,7 +19,7 @@ import time
 
 from . import fleet, protocol
 from .protocol import MAX_NAME, YOUNG, Msg, ProtocolError
-from .tracker import PROBE_BYTES, PROBE_MIN_TIME, ROOT_LOAN_SHARE, TrackerError
+from .tracker import PROBE_BYTES, PROBE_MIN_TIME, PROBE_REFERENCE, ROOT_LOAN_SHARE, TrackerError, quantile
 
 log = logging.getLogger("p2pw")
 
@@ -113,8 +113,9 @@ class TrackerEndpoint:
         log.info("peer rank %d probe %.1f MB/s over %.0f ms", rank, rate / 1e6, took * 1e3)
         for r in self.tracker.probed(rank, float(rate), long=took >= PROBE_MIN_TIME,
                                      alone=alone if type(alone) is bool else None):
-            log.warning("peer rank %d sent its probe at %.1f MB/s, well below the fleet's %.1f (median): it "
-                        "becomes a leaf", r, self.tracker.members[r].probe / 1e6, self.tracker.probe_median() / 1e6)
+            log.warning("peer rank %d sent its probe at %.1f MB/s, well below the fleet's %.1f (upper quartile): "
+                        "it becomes a leaf", r, self.tracker.members[r].probe / 1e6,
+                        quantile(self.tracker.probes, PROBE_REFERENCE) / 1e6)
         self._announce()
 
     def done(self, ident: bytes, f: dict) -> None:
