@@ -45,7 +45,7 @@ import numpy as np
 
 from . import topology as _topo
 from .endpoint import YOUNG_REVIEW_INTERVAL
-from .tracker import PROBE_BYTES, PROBE_MIN_TIME, SLOW_EVIDENCE, SLOW_FRACTION
+from .tracker import PROBE_BYTES, PROBE_MIN_TIME, PROBE_REFERENCE, PROBE_SLOW, SLOW_EVIDENCE, SLOW_FRACTION
 
 DEFAULT_BUDGET = 200_000  # simulated chunk deliveries before coarsening
 
@@ -219,7 +219,8 @@ def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, 
     spares = np.sort(rate[1:][slow])[::-1][:unplaced]  # each demoted host serves one unplaced pair
     busiest = _busiest(size, k, unplaced, spares, float(np.median(fast)), n_fast) if n_fast else 0.0
     bulk = max(size / rate[0], (nodes - 1) * size / float(rate[1:].sum()), busiest)
-    detect = [_detection(k, chunk, r) for r in rate[1:][slow]]
+    bar = PROBE_SLOW * float(np.quantile(rate[1:], PROBE_REFERENCE))  # what a probe at join demotes
+    detect = [_detection(k, chunk, r, bar) for r in rate[1:][slow]]
     missed = sum(d * (median - r) for d, r in zip(detect, rate[1:][slow]))
     delay = missed / float(fast.sum()) if n_fast else 0.0
     times = fill + bulk + delay
@@ -244,11 +245,12 @@ def _busiest(size: int, k: int, unplaced: int, spares, r_fast: float, n_fast: in
     return t
 
 
-def _detection(k: int, chunk: int, r: float) -> float:
+def _detection(k: int, chunk: int, r: float, bar: float) -> float:
     """Seconds a slow host of uplink ``r`` (bytes/s) forwards before the tracker demotes it: its
-    probe at join (``PROBE_BYTES``) where it takes ``PROBE_MIN_TIME`` or more, else its first
-    chunk to its k children at its own rate, then ``SLOW_EVIDENCE`` reviews."""
-    if PROBE_BYTES / r >= PROBE_MIN_TIME:
+    probe at join (``PROBE_BYTES``) where that takes ``PROBE_MIN_TIME`` or more and ``r`` is below
+    the probe's ``bar``, else its first chunk to its k children at its own rate, then
+    ``SLOW_EVIDENCE`` reviews."""
+    if r < bar and PROBE_BYTES / r >= PROBE_MIN_TIME:
         return PROBE_BYTES / r
     return k * chunk / r + SLOW_EVIDENCE * YOUNG_REVIEW_INTERVAL  # a joiner is reviewed as often as it reports
 

@@ -49,7 +49,7 @@ PROBE_SLOW = 0.3  # a judged probe below this share of the probes' upper quartil
 PROBE_REFERENCE = 0.75  # the quantile of the probes in that a probe is judged against
 PROBE_CLEARS = 0.5  # a joiner whose probe ran at this share of the probes' median or better is not demoted
 #                    by its first rates (while ``protocol.YOUNG``): a fast host still starting delivers slowly
-PROBE_QUORUM = 5  # probes in before a probe judged against their median is settled (earlier ones are judged again)
+PROBE_QUORUM = 5  # probes in before a probe judged against them is settled (earlier ones are judged again)
 ROOT_LOANS = 4  # peers furthest behind the seeder's uplink is lent to once every chunk has left it
 ROOT_LOAN_SHARE = 0.08  # it serves them until it has sent this share of the blob beyond one copy (<= 1.1 S)
 
