@@ -517,7 +517,8 @@ def _cheapest_first(sched: PullScheduler, links: list[Link], typical: float) -> 
 
 
 def _eta(lk: Link, typical: float) -> float:
-    """When ``lk`` would deliver one more chunk asked of it now, in chunk-times at its rate."""
+    """When ``lk`` would deliver one more chunk asked of it now: the chunks it would have outstanding over its
+    rate (seconds per byte of a chunk; only ever compared with another link's)."""
     rate = lk.rate or typical
     return (len(lk.outstanding) + 1) / rate if rate > 0 else 0.0
 
