@@ -19,7 +19,7 @@ import time
 
 from . import fleet, protocol
 from .protocol import MAX_NAME, YOUNG, Msg, ProtocolError
-from .tracker import PROBE_BYTES, PROBE_MIN_TIME, PROBE_REFERENCE, ROOT_LOAN_SHARE, TrackerError, quantile
+from .tracker import PROBE_BYTES, PROBE_MIN_TIME, ROOT_LOAN_SHARE, TrackerError, probe_reference
 
 log = logging.getLogger("p2pw")
 
@@ -115,7 +115,7 @@ class TrackerEndpoint:
                                      alone=alone if type(alone) is bool else None):
             log.warning("peer rank %d sent its probe at %.1f MB/s, well below the fleet's %.1f (upper quartile): "
                         "it becomes a leaf", r, self.tracker.members[r].probe / 1e6,
-                        quantile(self.tracker.probes, PROBE_REFERENCE) / 1e6)
+                        probe_reference(self.tracker.probes) / 1e6)
         self._announce()
 
     def done(self, ident: bytes, f: dict) -> None:

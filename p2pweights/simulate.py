@@ -45,7 +45,7 @@ import numpy as np
 
 from . import topology as _topo
 from .endpoint import YOUNG_REVIEW_INTERVAL
-from .tracker import PROBE_BYTES, PROBE_MIN_TIME, PROBE_REFERENCE, PROBE_SLOW, SLOW_EVIDENCE, SLOW_FRACTION
+from .tracker import PROBE_BYTES, PROBE_MIN_TIME, PROBE_SLOW, SLOW_EVIDENCE, SLOW_FRACTION, probe_reference
 
 DEFAULT_BUDGET = 200_000  # simulated chunk deliveries before coarsening
 
@@ -219,7 +219,7 @@ def _swarm(nodes, size, uplink, chunk, topo, rate, latency, window, efficiency, 
     spares = np.sort(rate[1:][slow])[::-1][:unplaced]  # each demoted host serves one unplaced pair
     busiest = _busiest(size, k, unplaced, spares, float(np.median(fast)), n_fast) if n_fast else 0.0
     bulk = max(size / rate[0], (nodes - 1) * size / float(rate[1:].sum()), busiest)
-    bar = PROBE_SLOW * float(np.quantile(rate[1:], PROBE_REFERENCE))  # what a probe at join demotes
+    bar = PROBE_SLOW * float(probe_reference(np.sort(rate[1:])))  # what a probe at join demotes
     detect = [_detection(k, chunk, r, bar) for r in rate[1:][slow]]
     missed = sum(d * (median - r) for d, r in zip(detect, rate[1:][slow]))
     delay = missed / float(fast.sum()) if n_fast else 0.0

@@ -278,13 +278,19 @@ class Pullers:
 
 
 def quantile(ordered: list[float], q: float) -> float:
-    """The ``q`` quantile of the sorted ``ordered``, interpolated (0 if empty)."""
-    if not ordered:
+    """The ``q`` quantile of the sorted ``ordered`` (a list or an array), interpolated (0 if empty)."""
+    if len(ordered) == 0:
         return 0.0
     at = (len(ordered) - 1) * q
     lo = int(at)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
+
+
+def probe_reference(ordered: list[float]) -> float:
+    """What a probe is judged against: the ``PROBE_REFERENCE`` quantile of the sorted probe rates
+    ``ordered`` (a host below ``PROBE_SLOW`` of it is demoted)."""
+    return quantile(ordered, PROBE_REFERENCE)
 
 
 class Tracker:
@@ -549,7 +555,7 @@ class Tracker:
             self.unsettled.add(rank)
         if len(self.probes) < 3:
             return []
-        bar = PROBE_SLOW * quantile(self.probes, PROBE_REFERENCE)
+        bar = PROBE_SLOW * probe_reference(self.probes)
         demoted = []
         for r in sorted(self.unsettled):
             x = self.members[r]
