@@ -10,13 +10,12 @@ stays detectable (its chunks no longer match).  Lives in ``$P2PW_CACHE_DIR``
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
 from .cache import write_text_atomically
 from .formats import checkpoint_files
-from .manifest import Manifest, ManifestError
+from .manifest import Manifest, ManifestError, sha256
 
 
 def _dir() -> str:
@@ -26,7 +25,7 @@ def _dir() -> str:
 def _key(path, chunk_size: int | None, hash: str, exclude=()) -> str:
     stats = [(name, size, os.stat(full).st_mtime_ns) for name, full, size in checkpoint_files(path, exclude)]
     doc = [os.path.abspath(os.fspath(path)), chunk_size, hash, stats]
-    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+    return sha256(json.dumps(doc).encode()).hexdigest()
 
 
 def lookup(path, chunk_size: int | None, hash: str, exclude=()) -> Manifest | None:

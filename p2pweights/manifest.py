@@ -13,10 +13,17 @@ the Hugging Face snapshot it was seeded from).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 
 import xxhash
+
+try:  # CPython's own SHA-256 for the model id: importing hashlib loads OpenSSL, 2 ms of every join's start
+    from _sha2 import sha256  # 3.12+
+except ImportError:
+    try:
+        from _sha256 import sha256  # 3.10, 3.11
+    except ImportError:  # a Python built without it
+        from hashlib import sha256
 from .errors import UserError
 from .formats import ALIGN
 
@@ -63,6 +70,8 @@ def chunk_hasher(name: str):
     if name in HASHES:
         return HASHES[name]
     if name in ("sha256", "blake2b"):
+        import hashlib
+
         return lambda b: hashlib.new(name, b).hexdigest()
     if name == "blake3":
         try:
@@ -127,7 +136,7 @@ class Manifest:
 
     @property
     def model_id(self) -> str:
-        return hashlib.sha256(canonical(self.body())).hexdigest()
+        return sha256(canonical(self.body())).hexdigest()
 
     def to_json(self, indent: int | None = None) -> str:
         doc = dict(self.body(), model_id=self.model_id)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import math
@@ -29,7 +28,7 @@ import time
 
 from .cache import STATE_DIR, copy_paths, marker_matches, remove_tree, write_atomically, write_text_atomically
 from .errors import UserError
-from .manifest import Manifest, ManifestError
+from .manifest import Manifest, ManifestError, sha256
 
 log = logging.getLogger("p2pw")
 
@@ -490,7 +489,7 @@ class FailureMemory:
         self.dir, self.policy = dir, policy
 
     def _failure_path(self, key: str, where: str | None) -> str:
-        name = hashlib.sha256(f"{key}\0{where or ''}".encode()).hexdigest()[:32]
+        name = sha256(f"{key}\0{where or ''}".encode()).hexdigest()[:32]
         return os.path.join(self.dir, name + ".json")
 
     def records(self):
