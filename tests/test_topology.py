@@ -253,3 +253,20 @@ def test_a_slow_first_joiner_demoted_before_the_fleet_arrives_gives_up_the_seede
         assert all(f.parent[s][r] is not None for r in range(1, 9))
         assert all(f.parent[s][r] != 1 or f.spare.get(1) == s for r in range(2, 9))  # 1 feeds at most its spare leaf
         assert 1 not in f.kids[s][0] or not any(f.interior_in(r, s) and f.depth[s][r] > 1 for r in range(2, 9))
+
+
+@pytest.mark.parametrize("k, n", [(3, 6), (4, 8), (8, 8), (4, 16), (8, 16)])
+def test_a_forwarder_lent_to_a_stripe_before_its_member_came_gives_the_slot_back(k, n):
+    # the first joiner is every stripe's first receiver: a stripe whose member is not there yet borrows
+    # one of its slots.  Once the member comes, the member takes the seeder's slot there and the loan
+    # ends: the seeder's children are the k members, each of one stripe, and nobody forwards two
+    f = T.Forest(k)
+    for r in range(1, n + 1):
+        f.place(r)
+    assert f.lent == {}
+    for s in range(k):
+        (root,) = f.kids[s][0]
+        assert f.group[root] == s
+        assert all(f.parent[s][r] is not None for r in range(1, n + 1))
+        assert all(f.load(r, s) <= f.capacity(r, s) for r in range(1, n + 1))
+    assert all(sum(f.load(r, s) > 0 for s in range(k)) <= 1 for r in range(1, n + 1))
