@@ -358,7 +358,7 @@ class Forest:
         moves = []
         for s in range(self.k):
             for _ in range(4 * len(self.kids[s])):  # each step strictly improves; bound it anyway
-                step = self._end_loan(s) or self._swap_up(s) or self._unload(s) or self._place_unplaced(s) \
+                step = _end_loan(self, s) or self._swap_up(s) or self._unload(s) or self._place_unplaced(s) \
                     or self._lend(s) or _lend_spare(self, s)
                 if not step:
                     break
@@ -441,17 +441,6 @@ class Forest:
         self.index.update(self, r)
         return [(r, s)]
 
-    def _end_loan(self, s: int) -> list[tuple[int, int]]:
-        """A forwarder lent to stripe ``s`` above one of the stripe's own members takes its slot back (it
-        is a leaf of ``s`` then, and ``_swap_up`` puts the member in its place).  Else the first joiner,
-        lent a stripe before that stripe's member came, kept the seeder's slot there: the seeder sent
-        two stripes down one connection at one child's share of its uplink (forest:8 at N = 8, 1.39)."""
-        for r in sorted((r for r, g in self.lent.items() if g == s), key=lambda r: (self.depth[s][r], r)):
-            d = self.depth[s][r]
-            if d < UNPLACED and any(self.group.get(m) == s for _, m in self.index.inner[s].after((d, math.inf))):
-                return self._unlend(r)
-        return []
-
     def _unlend(self, rank: int) -> list[tuple[int, int]]:
         """``rank`` takes its lent slot back; the child it served there is placed again."""
         s = self.lent.pop(rank, None)
@@ -475,6 +464,19 @@ class Forest:
                     self._attach(child, s, None)
                     return [(child, s)]
         return []
+
+
+def _end_loan(f: Forest, s: int) -> list[tuple[int, int]]:
+    """``Forest._settle``'s first step: a forwarder lent to stripe ``s`` above one of the stripe's own
+    members takes its slot back (it is a leaf of ``s`` then, and ``_swap_up`` puts the member in its
+    place).  Else the first joiner, lent a stripe before that stripe's member came, kept the seeder's
+    slot there: the seeder sent two stripes down one connection at one child's share of its uplink
+    (forest:8 at N = 8, 1.39)."""
+    for r in sorted((r for r, g in f.lent.items() if g == s), key=lambda r: (f.depth[s][r], r)):
+        d = f.depth[s][r]
+        if d < UNPLACED and any(f.group.get(m) == s for _, m in f.index.inner[s].after((d, math.inf))):
+            return f._unlend(r)
+    return []
 
 
 def _lend_spare(f: Forest, s: int) -> list[tuple[int, int]]:
