@@ -17,6 +17,9 @@ import json
 
 import xxhash
 
+from .errors import UserError
+from .formats import ALIGN
+
 try:  # CPython's own SHA-256 for the model id: importing hashlib loads OpenSSL, 2 ms of every join's start
     from _sha2 import sha256  # 3.12+
 except ImportError:
@@ -24,8 +27,6 @@ except ImportError:
         from _sha256 import sha256  # 3.10, 3.11
     except ImportError:  # a Python built without it
         from hashlib import sha256
-from .errors import UserError
-from .formats import ALIGN
 
 VERSION = 1
 DEFAULT_CHUNK_SIZE = 4 << 20  # measured: see README "Choosing the chunk size"
