@@ -473,8 +473,7 @@ def _end_loan(f: Forest, s: int) -> list[tuple[int, int]]:
     slot there: the seeder sent two stripes down one connection at one child's share of its uplink
     (forest:8 at N = 8, 1.39)."""
     for r in sorted((r for r, g in f.lent.items() if g == s), key=lambda r: (f.depth[s][r], r)):
-        d = f.depth[s][r]
-        if d < UNPLACED and any(f.group.get(m) == s for _, m in f.index.inner[s].after((d, math.inf))):
+        if any(f.group.get(m) == s for _, m in f.index.inner[s].after((f.depth[s][r], math.inf))):
             return f._unlend(r)
     return []
 
