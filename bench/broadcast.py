@@ -3,7 +3,7 @@
 
     sudo .venv/bin/python bench/broadcast.py [--peers 8] [--rate 400] [--size 256MiB]
         [--cases equal,slow1,slow2,kill] [--plans default] [--tools p2pw,libtorrent]
-        [--repeat 2] [--quick] [--json FILE] [--md FILE]
+        [--repeat 2] [--warm] [--quick] [--json FILE] [--md FILE]
 
 One testbed of N+1 hosts per N (``bench/netbed/testbed.py``: network namespaces
 on a bridge, every uplink capped with htb at ``--rate`` Mbit/s and shared
@@ -40,6 +40,12 @@ show medians of ``--repeat`` runs.  ``bench/fleet.py`` does one run:
   the uplinks of those ranks, the kill as rank 1 at a third, ``--startup`` the
   runs' median join() time since the launch; n/a where the simulator cannot
   say).
+* ``--warm`` (a diagnostic of the bed, never the headline): each p2pw plan is
+  also run with its joins launched first (``bench/warm_join.py``: interpreter
+  started, a join's modules imported, blocked on stdin) and timed from the
+  byte that lets them all go, so the rows ", warm" leave out N interpreters
+  starting at once on this machine's cores, which hosts with cores of their
+  own would not wait for.
 
 Needs root (network namespaces).  Results go to stdout and ``--md``
 (``bench/results/broadcast.md``); ``--json`` dumps every run.
@@ -70,6 +76,7 @@ from p2pweights.synth import write_synthetic_model  # noqa: E402
 
 CASES = ("equal", "slow1", "slow2", "kill")
 BT = "libtorrent"
+WARM = "@warm"  # a variant's suffix: its joins started before the clock (--warm)
 
 
 def case_rates(case: str, rate: float, slow_hosts: list[int], factor: float) -> dict[int, float]:
@@ -120,9 +127,9 @@ def one_run(tb, variant: str, model: str, torrent: str | None, n: int, work: str
     kill = case == "kill"
     if variant == BT:
         return fleet.run_libtorrent(tb, model, torrent, n, work, kill=kill, utp=args.bt_utp, timeout=args.timeout)
-    plan = None if variant == "default" else variant
-    return fleet.run_p2pw(tb, model, n, work, plan=plan, chunk=args.chunk_size, kill=kill, timeout=args.timeout,
-                          trace=args.trace)
+    plan, warm = variant.removesuffix(WARM), variant.endswith(WARM)
+    return fleet.run_p2pw(tb, model, n, work, plan=None if plan == "default" else plan, chunk=args.chunk_size,
+                          kill=kill, timeout=args.timeout, trace=args.trace, warm=warm)
 
 
 def _med(xs):
@@ -173,7 +180,7 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         "killed": [r["killed"] for r in ok if r.get("killed")],
         "demoted": [r.get("demoted") or [] for r in ok] if variant != BT else None,
         "started_med": started,
-        "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, variant, slow, case == "kill",
+        "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, variant.removesuffix(WARM), slow, case == "kill",
                                                     started),
     })
     return out
@@ -200,8 +207,9 @@ DETAIL_HEAD = ("| case | N | tool | plan | runs t/floor | slow hosts worst | oth
 
 
 def _plan(variant: str) -> str:
-    d = default_plan() if variant == "default" else None
-    return f"default ({d})" if d else variant
+    plan, warm = variant.removesuffix(WARM), variant.endswith(WARM)
+    d = default_plan() if plan == "default" else None
+    return (f"default ({d})" if d else plan) + (", warm" if warm else "")
 
 
 def _cpu(s: dict) -> str:
@@ -295,6 +303,10 @@ def parse_args(argv):
                     help="one FIFO under each host's cap (the bed before stop 19), not per-destination fair queuing")
     ap.add_argument("--trace", action="store_true",
                     help="p2pw joins record each verified chunk (join --trace) into --json: bench/trace.py reads it")
+    ap.add_argument("--warm", action="store_true",
+                    help="also run each p2pw plan with the joins started and imported before the clock "
+                         "(bench/warm_join.py): how much of a run is N interpreters starting on this machine's "
+                         "cores; a diagnostic of the bed, never the headline")
     ap.add_argument("--quick", action="store_true", help="smoke run: 32 MiB, N = 3, one repeat")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one run may take (300)")
     ap.add_argument("--md", default=str(ROOT / "bench" / "results" / "broadcast.md"),
@@ -311,8 +323,8 @@ def parse_args(argv):
     tools = {t.strip() for t in args.tools.split(",") if t.strip()}
     if not tools or tools - {"p2pw", BT}:
         ap.error(f"--tools takes p2pw and/or {BT}")
-    args.variants = ([p.strip() for p in args.plans.split(",") if p.strip()] if "p2pw" in tools else []) + \
-        ([BT] if BT in tools else [])
+    plans = [p.strip() for p in args.plans.split(",") if p.strip()] if "p2pw" in tools else []
+    args.variants = plans + [p + WARM for p in plans if args.warm] + ([BT] if BT in tools else [])
     args.slow_hosts = [int(x) for x in args.slow_hosts.split(",")]
     return args
 

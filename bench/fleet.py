@@ -43,6 +43,8 @@ _SCRIPT = Path(sys.executable).with_name("p2pw")  # the console script, as a use
 #   imports runpy: about 5 % of a join's start-up CPU, eight times over on two cores)
 P2PW = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "p2pweights"]
 BT_PEER = [sys.executable, str(ROOT / "bench" / "bt_peer.py")]
+WARM_JOIN = [sys.executable, str(ROOT / "bench" / "warm_join.py")]  # ``warm=True``: started before the clock
+WARM_SETTLE = 0.5  # seconds between the last warm join ready and the go, for the cores to go quiet
 P2PW_PORT, BT_PORT = 7420, 6881
 POLL = 0.01        # seconds between exit checks
 KILL_POLL = 0.1    # seconds between counter reads while waiting to kill
@@ -168,19 +170,47 @@ def _start_seeder(tb: Testbed, argv: list[str], ready: Path, log: Path, timeout:
     return p
 
 
+def _launch_warm(tb: Testbed, n: int, work: Path, tag: str, receivers_argv, copy_root, timeout: float = 60):
+    """Hosts 1..n's ``warm_join.py`` receivers, started and imported, each blocked until its go."""
+    receivers = []
+    for h in range(1, n + 1):
+        log, report, ready = work / f"{tag}.h{h}.log", work / f"{tag}.h{h}.json", work / f"{tag}.h{h}.ready"
+        with open(log, "wb") as f:
+            p = tb.popen(h, receivers_argv(h, report), stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT,
+                         env={**os.environ, "P2PW_WARM_READY": str(ready)})
+        receivers.append(Receiver(h, p, log, report, copy_root(h)))
+    deadline = time.monotonic() + timeout
+    for r in receivers:
+        ready = work / f"{tag}.h{r.host}.ready"
+        while not ready.exists():
+            if _reap(r.proc) or time.monotonic() > deadline:
+                for other in receivers:
+                    _stop(other.proc, 5)
+                raise RunFailed(f"warm join on host {r.host} never got ready: {_tail(r.log)}")
+            time.sleep(0.02)
+    time.sleep(WARM_SETTLE)
+    return receivers
+
+
 def _timed(tb: Testbed, model: str, n: int, work: Path, tag: str, seeder, receivers_argv, copy_root,
-           kill: bool, timeout: float, on_kill=None) -> dict:
-    """Launch hosts 1..n's receivers, wait for them (killing one if asked), verify, measure."""
+           kill: bool, timeout: float, on_kill=None, warm: bool = False) -> dict:
+    """Launch hosts 1..n's receivers, wait for them (killing one if asked), verify, measure.
+
+    ``warm``: the receivers are ``warm_join.py`` processes, launched and imported before the clock
+    starts, which starts as each is given its go."""
     size = sum(source_files(model).values())
     killer = Killer(size) if kill else None
+    receivers = _launch_warm(tb, n, work, tag, receivers_argv, copy_root) if warm else []
     c0 = tb.counters()
     if killer:
         killer.base = c0
     busy0 = cpu_times()
-    receivers = []
     t0 = time.monotonic()
     wall0 = time.time()
-    for h in range(1, n + 1):
+    for r in receivers:
+        r.proc.stdin.write(b"g")
+        r.proc.stdin.close()
+    for h in range(1, n + 1) if not warm else ():
         log, report = work / f"{tag}.h{h}.log", work / f"{tag}.h{h}.json"
         with open(log, "wb") as f:
             p = tb.popen(h, receivers_argv(h, report), stdout=f, stderr=subprocess.STDOUT)
@@ -265,11 +295,13 @@ def compile_package() -> None:
 
 
 def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = None, chunk: int | None = None,
-             kill: bool = False, timeout: float = 300, keep: bool = False, trace: bool = False) -> dict:
+             kill: bool = False, timeout: float = 300, keep: bool = False, trace: bool = False,
+             warm: bool = False) -> dict:
     """p2pw: ``p2pw seed`` in host 0, ``p2pw join --parent H0 --out DIR --report F -q`` in hosts 1..n.
 
     ``plan`` None: the seeder's default (no --topology); ``chunk`` None: its default chunk size;
-    ``trace``: the joins add each verified chunk to their reports (``--trace``, for ``bench/trace.py``).
+    ``trace``: the joins add each verified chunk to their reports (``--trace``, for ``bench/trace.py``);
+    ``warm``: the joins start and import before the clock (``warm_join.py``), a diagnostic of the bed.
     """
     compile_package()
     work = Path(work)
@@ -286,9 +318,9 @@ def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = N
     try:
         seeder = _start_seeder(tb, argv, ready, seed_log)
         r = _timed(tb, model, n, work, tag, seeder,
-                   lambda h, rep: [*P2PW, "join", "--parent", parent, "--out", str(outs[h]), "--report", str(rep),
-                                   "-q", *(["--trace"] if trace else [])],
-                   lambda h: outs[h], kill, timeout)
+                   lambda h, rep: [*(WARM_JOIN if warm else P2PW), "join", "--parent", parent, "--out",
+                                   str(outs[h]), "--report", str(rep), "-q", *(["--trace"] if trace else [])],
+                   lambda h: outs[h], kill, timeout, warm=warm)
     finally:
         if not keep:
             _cleanup(outs.values())
@@ -301,7 +333,7 @@ def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = N
     r["blob_size"] = json.loads(ready.read_text()).get("total_size")
     r["seed_events"] = seed_events(seed_log, r["wall0"])
     r["demoted"] = demotions(r["seed_events"], {doc.get("rank"): h for h, doc in r["reports"].items()})
-    r.update(tool="p2pw", plan=plan or "default")
+    r.update(tool="p2pw", plan=plan or "default", warm=warm)
     r.pop("receivers")
     return r
 

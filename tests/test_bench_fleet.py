@@ -77,6 +77,20 @@ def test_libtorrent_baseline_on_three_hosts(model, tmp_path, kill):
         assert r["killed"]["rx"] >= r["size"] / 3
 
 
+@pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_why}")
+@pytest.mark.timeout(120)
+def test_warm_joins_start_before_the_clock_and_deliver_byte_identical_copies(model, tmp_path):
+    """``broadcast.py --warm``: the joins are launched and imported first, each blocked until its
+    go; the run is then timed from the go, and every copy is still checked byte for byte."""
+    with Testbed(N + 1, rate_mbit=200) as tb:
+        run_id = tb.run_id
+        r = fleet.run_p2pw(tb, model, N, str(tmp_path), warm=True, timeout=90)
+    assert not [ns for ns in list_netns() if run_id in ns]
+    assert r["warm"] and set(r["exits"]) == {1, 2, 3}     # each exited 0 with a byte-identical copy
+    assert all(r["reports"][h]["started_at"] >= 0 for h in r["exits"])  # join() after the go, not before
+    assert len(list(tmp_path.glob("*.h[0-9].ready"))) == N                # each said it was ready before its go
+
+
 def test_ab_reads_each_run_s_cases_and_says_in_how_many_pairs_b_was_faster():
     # bench/ab.py's own logic, on broadcast.py --json documents as the bench writes them
     import ab

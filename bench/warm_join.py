@@ -1,0 +1,32 @@
+"""A ``p2pw join`` whose interpreter started before the clock: ``broadcast.py --warm``'s diagnostic.
+
+It imports what a join imports, writes the file ``$P2PW_WARM_READY`` names, and blocks on its
+standard input; the byte the bench then gives every host at once runs ``p2pw join`` with this
+process's arguments.  Timed from that byte, a broadcast leaves out the interpreters' start-up:
+on this bed N of them importing on two cores at once, which hosts with cores of their own do
+not wait for.  What it measures is the bed, never a headline: a user's clock starts at launch.
+"""
+import importlib
+import os
+import sys
+
+JOIN_MODULES = ("zmq", "p2pweights.cli", "p2pweights.api", "p2pweights.node", "p2pweights.pull",
+                "p2pweights.store", "p2pweights.cache", "p2pweights.ring", "p2pweights.serve",
+                "p2pweights.handlers", "p2pweights.partners", "p2pweights.member", "p2pweights.uplink",
+                "p2pweights.modelcache", "p2pweights.hfcache", "p2pweights.keys")  # a join's, at 2026-12
+
+
+def main() -> None:
+    for name in JOIN_MODULES:
+        importlib.import_module(name)
+    with open(os.environ["P2PW_WARM_READY"], "w") as f:
+        f.write(str(os.getpid()))
+    if not os.read(0, 1):  # the bench went away without a go
+        os._exit(3)
+    sys.argv[0] = "p2pw"
+    from p2pweights.cli import run
+    run()
+
+
+if __name__ == "__main__":
+    main()
