@@ -14,6 +14,12 @@ rank, planned rank]), prints, in bins of ``--bin`` seconds since launch:
   uplink left idle;
 - the last ``--late`` chunks of the host that finished last: when each
   arrived and from whom;
+- hop lags: per host and stripe, how long after its source verified a chunk
+  the host verified it (median over the first, middle and last thirds of the
+  stripe), and how far behind the seeder's first copy the stripe's last
+  chunks came: on a forwarder whose uplink has nothing to spare, a lag the
+  start left stays to the end, and the deepest path's lags add up to the
+  end phase;
 - the seeder's log lines (demotions, re-placements), its ranks named as hosts;
 - first, the phases (``phases``): the seeder's first and last chunk as its
   receivers verified them, the first and last peer done, the last exit;
@@ -58,6 +64,37 @@ def phases(run: dict, got: dict | None = None) -> dict | None:
     return {**p, "end": p["done_last"] - p["seeder_last"]}
 
 
+def hop_lags(got: dict, stripes: int, tail: int = 20) -> list[tuple[str, int, str, list[float], float | None]]:
+    """[(host, stripe, its main source, [median lag behind that source in the stripe's first, middle and
+    last third, seconds], median lag behind the seeder's first copy over the stripe's last ``tail``
+    chunks)]: when a host verified a chunk less when its source did (the seeder's copies: when their
+    first receiver verified them)."""
+    at = {h: {i: t for t, i, *_ in a} for h, a in got.items()}
+    at["S"] = {}
+    for a in got.values():
+        for t, i, src, _ in a:
+            if src == "S":
+                at["S"][i] = min(at["S"].get(i, t), t)
+    rows = []
+    for h in sorted(got, key=int):
+        for s in range(stripes):
+            mine = sorted((i, t, src) for t, i, src, _ in got[h] if i % stripes == s)
+            if not mine:
+                continue
+            main = Counter(src for _, _, src in mine).most_common(1)[0][0]
+            thirds = [mine[k * len(mine) // 3:(k + 1) * len(mine) // 3] for k in range(3)]
+            lags = [_median([t - at[src][i] for i, t, src in part if src != "S" and i in at.get(src, {})] or
+                            [0.0 for _, _, src in part if src == "S"]) for part in thirds]
+            behind = [t - at["S"][i] for i, t, _ in mine[-tail:] if i in at["S"]]
+            rows.append((h, s, main, lags, _median(behind)))
+    return rows
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
 def row(counts: Counter, bins: int) -> str:
     return " ".join(f"{counts[b]:3d}" for b in range(bins))
 
@@ -89,6 +126,10 @@ def report(run: dict, width: float, late: int) -> str:
     out.append("  sent per bin:")
     for src in sorted(sent, key=lambda x: (x != "S", x)):
         out.append(f"  h{src:<2}         {row(sent[src], bins)}   {sum(sent[src].values())} chunks")
+    out.append("  hop lags, ms (behind the source: the stripe's first, middle, last third; behind the seeder at "
+               "the end):")
+    for h, s, src, lags, behind in hop_lags(got, stripes):
+        out.append(f"  h{h:<2} s{s} from h{src:<2} " + " ".join(_ms(x) for x in lags) + f"   {_ms(behind)}")
     last = max(got, key=lambda h: run["reports"][h]["done_at"])
     out.append(f"  the last {late} chunks of h{last} (finished last):")
     for t, i, src, planned in sorted(got[last])[-late:]:
@@ -101,6 +142,10 @@ def report(run: dict, width: float, late: int) -> str:
             named = re.sub(r"\brank (\d+)", lambda m: f"rank {m[1]} (h{host_of.get(int(m[1]), '?')})", msg)
             out.append(f"    {t:6.2f} s  {named}")
     return "\n".join(out) + "\n"
+
+
+def _ms(x: float | None) -> str:
+    return "  n/a" if x is None else f"{x * 1000:5.0f}"
 
 
 def main(argv=None) -> None:

@@ -133,3 +133,15 @@ def test_ab_and_trace_time_the_end_phase_of_a_traced_run():
     phases = ab._trace_module().phases(doc["runs"][0])
     assert phases["seeder_first"] == pytest.approx(0.4) and phases["seeder_last"] == pytest.approx(4.0)
     assert phases["done_first"] == 4.9 and phases["done_last"] == 5.0 and phases["end"] == pytest.approx(1.0)
+
+
+def test_trace_hop_lags_say_how_far_behind_its_source_and_the_seeder_a_host_verifies():
+    import ab
+
+    trace = ab._trace_module()  # bench/trace.py, by path
+    got = {"1": [(0.1 * i, i, "S", True) for i in range(6)],          # from the seeder: its copies set the clock
+           "2": [(0.1 * i + 0.05 * (1 + (i >= 4)), i, "1", True) for i in range(6)]}  # a hop 50 ms late, 100 at the end
+    rows = {(h, s): (src, lags, behind) for h, s, src, lags, behind in trace.hop_lags(got, stripes=1, tail=2)}
+    src, lags, behind = rows[("2", 0)]
+    assert src == "1" and lags == pytest.approx([0.05, 0.05, 0.1]) and behind == pytest.approx(0.1)
+    assert rows[("1", 0)] == ("S", [0.0, 0.0, 0.0], 0.0)
