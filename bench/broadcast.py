@@ -180,8 +180,8 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         "killed": [r["killed"] for r in ok if r.get("killed")],
         "demoted": [r.get("demoted") or [] for r in ok] if variant != BT else None,
         "started_med": started,
-        "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, variant.removesuffix(WARM), slow, case == "kill",
-                                                    started),
+        "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, variant.removesuffix(WARM), slow,
+                                                    case == "kill", started),
     })
     return out
 

@@ -83,8 +83,7 @@ def hop_lags(got: dict, stripes: int, tail: int = 20) -> list[tuple[str, int, st
                 continue
             main = Counter(src for _, _, src in mine).most_common(1)[0][0]
             thirds = [mine[k * len(mine) // 3:(k + 1) * len(mine) // 3] for k in range(3)]
-            lags = [_median([t - at[src][i] for i, t, src in part if src != "S" and i in at.get(src, {})] or
-                            [0.0 for _, _, src in part if src == "S"]) for part in thirds]
+            lags = [_median([t - at[src][i] for i, t, src in part if i in at.get(src, {})]) for part in thirds]
             behind = [t - at["S"][i] for i, t, _ in mine[-tail:] if i in at["S"]]
             rows.append((h, s, main, lags, _median(behind)))
     return rows

@@ -13,7 +13,8 @@ import sys
 JOIN_MODULES = ("zmq", "p2pweights.cli", "p2pweights.api", "p2pweights.node", "p2pweights.pull",
                 "p2pweights.store", "p2pweights.cache", "p2pweights.ring", "p2pweights.serve",
                 "p2pweights.handlers", "p2pweights.partners", "p2pweights.member", "p2pweights.uplink",
-                "p2pweights.modelcache", "p2pweights.hfcache", "p2pweights.keys")  # a join's, at 2026-12
+                "p2pweights.modelcache", "p2pweights.hfcache", "p2pweights.keys")  # what ``p2pw join --out``
+#   imports (``sys.modules`` after one): one it misses is imported after the go, as in a cold run
 
 
 def main() -> None:
