@@ -101,7 +101,7 @@ def run_demo(peers: int = 4, size_mb: float = 256, workdir: str | None = None, c
         seeder.wait(30)
         with open(seed_report) as f:
             seed_info = json.load(f)
-        all_ok = _report(model, chunk_size, outs, reports, seed_info, not failed, work)
+        all_ok = _report(model, chunk_size, outs, reports, seed_info, not failed, workdir)
         return 0 if all_ok else 1
     finally:
         for p in procs:
@@ -116,8 +116,9 @@ def run_demo(peers: int = 4, size_mb: float = 256, workdir: str | None = None, c
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _report(model, chunk_size, outs, reports, seed_info, ok: bool, work) -> bool:
-    """Print each peer's line, the plan per stripe and the seeder's reads; True if every copy verified."""
+def _report(model, chunk_size, outs, reports, seed_info, ok: bool, kept: str | None) -> bool:
+    """Print each peer's line, the plan per stripe and the seeder's reads; True if every copy verified.
+    ``kept``: the --workdir the model and copies stay in (None: a temporary one, removed after)."""
     manifest, _, _ = build(model, chunk_size)
     print(f"\n{'peer':<7}{'rank':>5}{'parent':>8}{'seconds':>9}{'MB/s':>9}  copy")
     all_ok = ok
@@ -140,7 +141,8 @@ def _report(model, chunk_size, outs, reports, seed_info, ok: bool, work) -> bool
     print(f"seeder read {seed_info['bytes_read'] / 2**20:.1f} MiB from storage for a "
           f"{seed_info['total_size'] / 2**20:.1f} MiB model ({seed_info['bytes_read'] / seed_info['total_size']:.2f}x), "
           f"sent {seed_info['bytes_sent'] / 2**20:.1f} MiB; peers forwarded the rest")
-    print(f"demo: {'every copy verified' if all_ok else 'FAILED'} (work dir {work})")
+    where = f"the model and copies are in {kept}" if kept else "the model and copies are removed; --workdir DIR keeps them"
+    print(f"demo: {'every copy verified' if all_ok else 'FAILED'} ({where})")
     return all_ok
 
 
