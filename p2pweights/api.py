@@ -48,11 +48,15 @@ def parse_addr(addr: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
     addr = addr.removeprefix("tcp://")
     host, sep, port = addr.rpartition(":")
     if not sep:
-        return addr, default_port
+        host, port = addr, default_port
     try:
-        return host, int(port)
+        port = int(port)
     except ValueError:
-        raise P2PError(f"bad address {addr!r}: expected HOST[:PORT]") from None
+        port = -1
+    if not host.strip() or any(c.isspace() for c in host) or host.count("[") != host.count("]") \
+            or not 0 < port < 65536:
+        raise P2PError(f"bad address {addr!r}: expected HOST[:PORT], PORT in 1-65535")
+    return host, port
 
 
 def local_ip_towards(host: str) -> str:
@@ -261,7 +265,7 @@ def _probe_sink(host: str, port: int):
 
 def _read_manifest(manifest_path: str) -> Manifest:
     try:
-        with open(manifest_path) as f:
+        with open(manifest_path, "rb") as f:
             return Manifest.from_json(f.read())
     except OSError as e:
         raise P2PError(f"cannot read manifest {manifest_path}: {e.strerror}") from None

@@ -36,6 +36,22 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def port(text: str) -> int:
+    """A TCP port, 0-65535 (0: any free one) (an argparse type)."""
+    n = int(text) if text.strip().isdigit() else -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"bad port {text!r}: give 0-65535 (0: any free one)")
+    return n
+
+
+def positive(text: str) -> int:
+    """A whole number >= 1 (an argparse type)."""
+    n = int(text) if text.strip().isdigit() else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return n
+
+
 def human(n: float) -> str:
     from .ops import human as _human
 
@@ -162,7 +178,7 @@ def load_key(directory: str | None):
     """The fleet key in ``directory``, or None when links stay unencrypted."""
     from .keys import load
 
-    return load(directory) if directory else None
+    return load(directory) if directory is not None else None
 
 
 def join_command(args, port: int, model_id: str, key) -> str:
@@ -321,6 +337,9 @@ def cmd_status(args) -> int:
 
 
 def cmd_cache(args) -> int:
+    if args.model is not None and args.action != "rm":
+        raise UserError(f"p2pw cache {args.action} takes no MODEL (got {args.model!r}): "
+                        "p2pw cache rm MODEL removes one")
     cache = model_cache(args)
     if args.action == "ls":
         entries = cache.entries()
@@ -397,7 +416,7 @@ def cmd_verify(args) -> int:
     from .source import verify_copy
 
     try:
-        with open(args.manifest) as f:
+        with open(args.manifest, "rb") as f:
             m = Manifest.from_json(f.read())
     except OSError as e:
         raise SystemExit(f"p2pw: error: cannot read manifest {args.manifest}: {e.strerror}")
@@ -427,7 +446,7 @@ def cmd_simulate(args, rest) -> int:
 
 def s3_flags(p) -> None:
     """Flags for an s3://BUCKET/PREFIX source (credentials and endpoint come from the AWS environment)."""
-    p.add_argument("--s3-concurrency", type=int, default=16, metavar="N",
+    p.add_argument("--s3-concurrency", type=positive, default=16, metavar="N",
                    help="s3:// sources: ranged GETs in flight (default 16)")
     p.add_argument("--s3-range-size", type=size, default=8 << 20, metavar="SIZE",
                    help="s3:// sources: bytes per ranged GET (default 8MiB)")
@@ -441,10 +460,10 @@ def _seed_parser(sub) -> None:
     s.add_argument("path", help="checkpoint file or directory, s3://BUCKET/PREFIX (pip install 'p2pweights[s3]'), "
                                 "or ORG/NAME[@REVISION]: a snapshot in the local Hugging Face cache (HF_HUB_CACHE, "
                                 "else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
-    s.add_argument("--port", type=int, default=7420)
+    s.add_argument("--port", type=port, default=7420)
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--advertise", help="address peers should use to reach this host (default: the one they used)")
-    s.add_argument("--probe-port", type=int, default=0, metavar="PORT",
+    s.add_argument("--probe-port", type=port, default=0, metavar="PORT",
                    help="TCP port joiners time their uplink against as they join (default: any free one; a "
                         "firewall that lets only --port through leaves slow hosts to be found by their rates)")
     s.add_argument("--chunk-size", type=size, default=None,
@@ -453,8 +472,9 @@ def _seed_parser(sub) -> None:
                    help="the plan: forest:K (default forest:2: K interior-disjoint stripe trees, every peer "
                         "also pulls from partners), or binomial, chain, star, kary:K, striped:K, auto "
                         "(picks from --expect), kept to compare against")
-    s.add_argument("--expect", type=int, metavar="N", help="peers expected (how --topology auto chooses; default 16)")
-    s.add_argument("--window", type=int, default=FIRST_WINDOW, help=WINDOW_HELP)
+    s.add_argument("--expect", type=positive, metavar="N",
+                   help="peers expected (how --topology auto chooses; default 16)")
+    s.add_argument("--window", type=positive, default=FIRST_WINDOW, help=WINDOW_HELP)
     s.add_argument("--exit-after", type=int, default=0, metavar="N", help="exit once N peers are done and gone")
     s.add_argument("--manifest", metavar="M",
                    help="serve at once with this manifest (from p2pw manifest PATH -o M) instead of hashing "
@@ -465,7 +485,7 @@ def _seed_parser(sub) -> None:
     s.add_argument("--hash", default="xxh3_64", choices=HASH_NAMES,
                    help="chunk hash: xxh3_64 (default, fast, catches corruption) or a cryptographic one "
                         "(sha256, blake2b, blake3) that also stops a peer forging chunks")
-    s.add_argument("--max-peers", type=int, default=10_000, help="refuse joiners beyond this many peers")
+    s.add_argument("--max-peers", type=positive, default=10_000, help="refuse joiners beyond this many peers")
     s3_flags(s)
     s.add_argument("--progress-every", type=float, default=10.0, metavar="S",
                    help="seconds between lines about the fleet (peers, done, the slowest) while peers download")
@@ -493,13 +513,13 @@ def _join_parser(sub) -> None:
                         "backoff")
     j.add_argument("--no-cache", action="store_true",
                    help="without --out, keep the copy in memory (or a temporary file) only; no model cache")
-    j.add_argument("--port", type=int, default=0, help="port to serve children on (default: any free one)")
+    j.add_argument("--port", type=port, default=0, help="port to serve children on (default: any free one)")
     j.add_argument("--host", default="0.0.0.0")
     j.add_argument("--advertise", help="address other peers should use to reach this host")
     j.add_argument("--model-id", help="accept only this model (its id, or at least the first 16 hex digits)")
     j.add_argument("--key", metavar="DIR", help="fleet key directory (p2pw keygen), as given to p2pw seed")
     j.add_argument("--stay", action="store_true", help="keep serving after the download completes")
-    j.add_argument("--window", type=int, default=FIRST_WINDOW, help=WINDOW_HELP)
+    j.add_argument("--window", type=positive, default=FIRST_WINDOW, help=WINDOW_HELP)
     j.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep trying the parent")
     j.add_argument("--parent-timeout", type=float, default=5.0,
                    help="seconds of silence after which a partner is given up (a planned one for another)")

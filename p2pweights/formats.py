@@ -146,6 +146,8 @@ def parse_packed_index(raw: bytes, path) -> tuple[dict, list[dict]]:
     total, align = doc.get("total_size"), doc.get("align")
     if type(total) is not int or type(align) is not int or total < 0 or align <= 0:
         raise FormatError(f"{path}: total_size and align must be non-negative integers")
+    if not isinstance(doc.get("tensors", []), list):
+        raise FormatError(f"{path}: tensors must be a list")
     tensors = []
     for i, t in enumerate(doc.get("tensors", [])):
         try:

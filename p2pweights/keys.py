@@ -53,7 +53,7 @@ class FleetKey(NamedTuple):
 
 def keygen(directory: str) -> FleetKey:
     """Write a new fleet key pair to ``directory`` (created 0700; the secret file 0600); never overwrites one."""
-    directory = os.path.abspath(directory)
+    directory = _key_dir(directory)
     for name in (f"{KEY_NAME}.key", f"{KEY_NAME}.key_secret"):
         if os.path.exists(os.path.join(directory, name)):
             raise KeyFileError(f"{directory} already holds a fleet key ({name}): not overwriting it")
@@ -68,9 +68,16 @@ def keygen(directory: str) -> FleetKey:
     return load(directory)
 
 
+def _key_dir(directory: str) -> str:
+    """``directory`` made absolute; an empty name (an unset shell variable) is an error, not the current one."""
+    if not directory.strip():
+        raise KeyFileError("the key directory name is empty: give the directory p2pw keygen wrote (--key DIR)")
+    return os.path.abspath(directory)
+
+
 def load(directory: str) -> FleetKey:
     """The fleet key in ``directory`` (as written by ``keygen``) and its allow-list."""
-    directory = os.path.abspath(directory)
+    directory = _key_dir(directory)
     secret_file = os.path.join(directory, f"{KEY_NAME}.key_secret")
     if not os.path.isfile(secret_file):
         raise KeyFileError(f"{directory} holds no fleet key ({KEY_NAME}.key_secret): make one with p2pw keygen")

@@ -57,8 +57,9 @@ def chunk_size_for(asked: int | None, total: int) -> int:
     ``formats.ALIGN``, else ManifestError), or the default for its size when None."""
     if asked is None:
         return default_chunk_size(total)
-    if asked <= 0 or asked % ALIGN:
-        raise ManifestError(f"chunk size must be a positive multiple of {ALIGN}, got {asked}")
+    if asked <= 0 or asked % ALIGN or asked > MAX_CHUNK_SIZE:
+        raise ManifestError(f"chunk size must be a positive multiple of {ALIGN} up to {MAX_CHUNK_SIZE >> 20} MiB "
+                            f"(joiners refuse larger chunks), got {asked}")
     return asked
 
 
@@ -161,6 +162,10 @@ class Manifest:
             if m.origin is not None and not (isinstance(m.origin, dict) and all(
                     isinstance(m.origin.get(k, ""), str) for k in ("repo", "commit", "revision"))):
                 raise ValueError(f"origin {str(m.origin)[:100]} is not an object of strings")
+            for f in m.files:
+                if not (isinstance(f, dict) and isinstance(f.get("name"), str)
+                        and all(type(f.get(k)) is int and f[k] >= 0 for k in ("offset", "size"))):
+                    raise ValueError(f"file entry {str(f)[:100]} is not {{name, offset, size}}")
         except (ValueError, KeyError, TypeError) as e:
             raise ManifestError(f"malformed manifest: {e}") from None
         if m.version != VERSION:
@@ -176,7 +181,8 @@ class Manifest:
                 f"{-(-m.total_size // m.chunk_size)}")
         claimed = doc.get("model_id")
         if claimed is not None and claimed != m.model_id:
-            raise ManifestError(f"manifest fails its own hash: claims model id {claimed[:16]}..., content hashes to {m.model_id[:16]}...")
+            raise ManifestError(f"manifest fails its own hash: claims model id {str(claimed)[:16]}..., content "
+                                f"hashes to {m.model_id[:16]}...")
         if expect_id is not None and not m.model_id.startswith(expect_id.lower()):
             raise ManifestError(f"model id mismatch: wanted {expect_id}, the seeder serves {m.model_id}")
         return m

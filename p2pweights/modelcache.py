@@ -212,6 +212,29 @@ def try_exclusive(copy: str) -> int | None:
         raise
 
 
+def well_formed(doc) -> bool:
+    """Whether an index record has the shape ``ModelCache`` reads; a torn or hand-edited one is ignored like a
+    missing one (the next join of its model writes it anew)."""
+    try:
+        return (isinstance(doc, dict) and isinstance(doc.get("bytes", 0), int)
+                and all(isinstance(c, dict) and isinstance(c["path"], str) for c in doc.get("copies", []))
+                and all(isinstance(t, (int, float)) for t in doc.get("uses", []))
+                and isinstance(doc.get("fetch_seconds") or 0, (int, float)))
+    except (KeyError, TypeError):
+        return False
+
+
+def failure_policy(clock=time.time) -> FailurePolicy:
+    """The failure policy, with ``P2PW_FAILURE_BACKOFF`` (seconds of the first backoff, default 60) if set."""
+    base = os.environ.get("P2PW_FAILURE_BACKOFF")
+    if not base:
+        return FailurePolicy(clock)
+    try:
+        return FailurePolicy(clock, base=float(base))
+    except ValueError:
+        raise ModelCacheError(f"P2PW_FAILURE_BACKOFF={base!r}: give seconds, e.g. 60") from None
+
+
 class ModelCache:
     """The models kept on this host (see the module docstring for the layout)."""
 
@@ -222,13 +245,10 @@ class ModelCache:
         self.size = size if size is not None else (parse_size(env) if env else None)  # None: no limit
         self.clock = clock
         self.eviction = eviction or EvictionPolicy(clock)
-        if failures is None:
-            base = os.environ.get("P2PW_FAILURE_BACKOFF")  # seconds of the first backoff (default 60)
-            failures = FailurePolicy(clock, base=float(base)) if base else FailurePolicy(clock)
-        self.failures = failures
+        self.failures = failures if failures is not None else failure_policy(clock)
         self.models = os.path.join(self.root, "models")
         self.index = os.path.join(self.root, "index")
-        self.failed = FailureMemory(os.path.join(self.root, "failures"), failures)
+        self.failed = FailureMemory(os.path.join(self.root, "failures"), self.failures)
 
     # ----- the index ---------------------------------------------------------------------------
 
@@ -245,7 +265,7 @@ class ModelCache:
         try:
             with open(self._record_path(model_id)) as f:
                 doc = json.load(f)
-            return doc if isinstance(doc, dict) else None
+            return doc if well_formed(doc) else None
         except (OSError, ValueError):
             return None
 
@@ -417,7 +437,9 @@ class ModelCache:
         return evicted
 
     def _remove_copy(self, model_id: str, path: str, delete: bool) -> bool:
-        """Remove (``delete``) or forget one copy, if no join or seed holds it; whether it went."""
+        """Remove (``delete``) or forget one copy, if no join or seed holds it; whether it went.  Only a
+        folder of models/ is ever deleted: a record (torn, hand-edited) naming one elsewhere is forgotten."""
+        delete = delete and os.path.dirname(path) == self.models  # how ``register`` tells an owned copy
         fd = try_exclusive(path) if os.path.isdir(path) else None
         if fd is None and os.path.isdir(path):
             return False
@@ -502,6 +524,9 @@ class FailureMemory:
             try:
                 with open(os.path.join(self.dir, n)) as f:
                     rec = json.load(f)
+                if not (isinstance(rec["key"], str) and isinstance(rec["reason"], str)
+                        and all(isinstance(rec.get(k, 1), (int, float)) for k in ("at", "count"))):
+                    continue  # torn or hand-edited: not a failure this code can judge
                 yield rec["key"], rec
             except (OSError, ValueError, KeyError, TypeError):
                 continue

@@ -151,6 +151,9 @@ def _predict(nodes: int, size: int, uplink: float, chunk: int, topology, latency
     if (ups <= 0).any():
         raise ValueError("every uplink must be > 0")
     rate = ups * efficiency
+    for rank, fraction in failures:
+        if not (1 <= rank <= nodes and 0 <= fraction <= 1):
+            raise ValueError(f"--kill {rank}@{fraction}: RANK must be a peer (1-{nodes}), FRACTION in [0, 1]")
     dead = sorted(failures, key=lambda f: f[1])
     if dead:
         return _with_failures(nodes, size, uplink, chunk, topo, rate, latency, window, budget, dead, t0)
@@ -506,7 +509,13 @@ def _uplinks(args, uplink: float):
         return ups
     if args.slow:
         fraction, _, share = args.slow.partition(":")
-        return slow_uplinks(args.nodes, uplink, float(fraction), float(share or 0.25))
+        try:
+            fraction, share = float(fraction), float(share or 0.25)
+        except ValueError:
+            raise ValueError(f"--slow {args.slow!r}: expected FRACTION:SHARE, e.g. 0.1:0.25") from None
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"--slow {args.slow!r}: FRACTION (of the peers) must be in [0, 1]")
+        return slow_uplinks(args.nodes, uplink, fraction, share)
     return None
 
 
