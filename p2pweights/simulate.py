@@ -71,7 +71,10 @@ class Result:
 
     @property
     def summary(self) -> dict:
-        t = self.time_per_peer
+        """The peers' finish times (a failed peer, NaN in ``time_per_peer``, has none)."""
+        t = self.time_per_peer[~np.isnan(self.time_per_peer)]
+        if not t.size:
+            return {"min": 0.0, "median": 0.0, "max": 0.0}
         return {"min": float(t.min()), "median": float(np.median(t)), "max": float(t.max())}
 
     def report(self) -> str:
