@@ -79,6 +79,11 @@ BT = "libtorrent"
 WARM = "@warm"  # a variant's suffix: its joins started before the clock (--warm)
 
 
+def split_variant(variant: str) -> tuple[str, bool]:
+    """A p2pw variant's plan ('default' or a --topology value) and whether its joins run warm."""
+    return variant.removesuffix(WARM), variant.endswith(WARM)
+
+
 def case_rates(case: str, rate: float, slow_hosts: list[int], factor: float) -> dict[int, float]:
     """Per-host uplink caps of a case (hosts not named run at ``rate``)."""
     k = {"slow1": 1, "slow2": 2}.get(case, 0)
@@ -127,7 +132,7 @@ def one_run(tb, variant: str, model: str, torrent: str | None, n: int, work: str
     kill = case == "kill"
     if variant == BT:
         return fleet.run_libtorrent(tb, model, torrent, n, work, kill=kill, utp=args.bt_utp, timeout=args.timeout)
-    plan, warm = variant.removesuffix(WARM), variant.endswith(WARM)
+    plan, warm = split_variant(variant)
     return fleet.run_p2pw(tb, model, n, work, plan=None if plan == "default" else plan, chunk=args.chunk_size,
                           kill=kill, timeout=args.timeout, trace=args.trace, warm=warm)
 
@@ -180,7 +185,7 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         "killed": [r["killed"] for r in ok if r.get("killed")],
         "demoted": [r.get("demoted") or [] for r in ok] if variant != BT else None,
         "started_med": started,
-        "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, variant.removesuffix(WARM), slow,
+        "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, split_variant(variant)[0], slow,
                                                     case == "kill", started),
     })
     return out
@@ -207,7 +212,7 @@ DETAIL_HEAD = ("| case | N | tool | plan | runs t/floor | slow hosts worst | oth
 
 
 def _plan(variant: str) -> str:
-    plan, warm = variant.removesuffix(WARM), variant.endswith(WARM)
+    plan, warm = split_variant(variant)
     d = default_plan() if plan == "default" else None
     return (f"default ({d})" if d else plan) + (", warm" if warm else "")
 

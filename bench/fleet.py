@@ -170,15 +170,19 @@ def _start_seeder(tb: Testbed, argv: list[str], ready: Path, log: Path, timeout:
     return p
 
 
+def _launch(tb: Testbed, h: int, work: Path, tag: str, receivers_argv, copy_root, **popen) -> Receiver:
+    """Host ``h``'s receiver, its output to ``TAG.hH.log``, its report to ``TAG.hH.json``."""
+    log, report = work / f"{tag}.h{h}.log", work / f"{tag}.h{h}.json"
+    with open(log, "wb") as f:
+        p = tb.popen(h, receivers_argv(h, report), stdout=f, stderr=subprocess.STDOUT, **popen)
+    return Receiver(h, p, log, report, copy_root(h))
+
+
 def _launch_warm(tb: Testbed, n: int, work: Path, tag: str, receivers_argv, copy_root, timeout: float = 60):
     """Hosts 1..n's ``warm_join.py`` receivers, started and imported, each blocked until its go."""
-    receivers = []
-    for h in range(1, n + 1):
-        log, report, ready = work / f"{tag}.h{h}.log", work / f"{tag}.h{h}.json", work / f"{tag}.h{h}.ready"
-        with open(log, "wb") as f:
-            p = tb.popen(h, receivers_argv(h, report), stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT,
-                         env={**os.environ, "P2PW_WARM_READY": str(ready)})
-        receivers.append(Receiver(h, p, log, report, copy_root(h)))
+    receivers = [_launch(tb, h, work, tag, receivers_argv, copy_root, stdin=subprocess.PIPE,
+                         env={**os.environ, "P2PW_WARM_READY": str(work / f"{tag}.h{h}.ready")})
+                 for h in range(1, n + 1)]
     deadline = time.monotonic() + timeout
     for r in receivers:
         ready = work / f"{tag}.h{r.host}.ready"
@@ -210,11 +214,8 @@ def _timed(tb: Testbed, model: str, n: int, work: Path, tag: str, seeder, receiv
     for r in receivers:
         r.proc.stdin.write(b"g")
         r.proc.stdin.close()
-    for h in range(1, n + 1) if not warm else ():
-        log, report = work / f"{tag}.h{h}.log", work / f"{tag}.h{h}.json"
-        with open(log, "wb") as f:
-            p = tb.popen(h, receivers_argv(h, report), stdout=f, stderr=subprocess.STDOUT)
-        receivers.append(Receiver(h, p, log, report, copy_root(h)))
+    if not warm:
+        receivers = [_launch(tb, h, work, tag, receivers_argv, copy_root) for h in range(1, n + 1)]
     next_counters = t0
     try:
         while True:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -50,12 +51,7 @@ def phases(run: dict, got: dict | None = None) -> dict | None:
     the last chunk to leave it arrived, its first copy, not a copy it sent again once lent to the last
     peers), the first and last peer done, the last exit; ``end``: the last peer done after the seeder's
     last chunk. None untraced.  ``got``: the run's ``arrivals``, where the caller has them."""
-    first: dict[int, float] = {}  # chunk -> its first arrival from the seeder
-    for a in (arrivals(run) if got is None else got).values():
-        for t, i, src, _ in a:
-            if src == "S" and t < first.get(i, float("inf")):
-                first[i] = t
-    seeded = list(first.values())
+    seeded = list(seeder_copies(arrivals(run) if got is None else got).values())
     done = [r["done_at"] for r in run["reports"].values() if isinstance(r.get("done_at"), (int, float))]
     if not seeded or not done:
         return None
@@ -70,11 +66,7 @@ def hop_lags(got: dict, stripes: int, tail: int = 20) -> list[tuple[str, int, st
     chunks)]: when a host verified a chunk less when its source did (the seeder's copies: when their
     first receiver verified them)."""
     at = {h: {i: t for t, i, *_ in a} for h, a in got.items()}
-    at["S"] = {}
-    for a in got.values():
-        for t, i, src, _ in a:
-            if src == "S":
-                at["S"][i] = min(at["S"].get(i, t), t)
+    at["S"] = seeder_copies(got)
     rows = []
     for h in sorted(got, key=int):
         for s in range(stripes):
@@ -89,9 +81,18 @@ def hop_lags(got: dict, stripes: int, tail: int = 20) -> list[tuple[str, int, st
     return rows
 
 
+def seeder_copies(got: dict) -> dict[int, float]:
+    """chunk -> when its first copy from the seeder verified at a receiver (``arrivals``)."""
+    first: dict[int, float] = {}
+    for a in got.values():
+        for t, i, src, _ in a:
+            if src == "S" and t < first.get(i, float("inf")):
+                first[i] = t
+    return first
+
+
 def _median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return None if not xs else (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+    return statistics.median(xs) if xs else None
 
 
 def row(counts: Counter, bins: int) -> str:

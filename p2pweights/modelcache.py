@@ -328,7 +328,7 @@ class ModelCache:
         if not os.path.exists(mp):
             write_text_atomically(mp, manifest.to_json())
         path = os.path.abspath(path)
-        owned = os.path.dirname(path) == self.models
+        owned = self.owns(path)
 
         def change(doc):
             doc = doc or {"model_id": manifest.model_id, "uses": [], "fetch_seconds": None,
@@ -373,7 +373,7 @@ class ModelCache:
                 continue
             m = self.manifest(model_id)
             copies = (self.record(model_id) or {}).get("copies", [])
-            for c in sorted(copies, key=lambda c: not c.get("owned")):
+            for c in sorted(copies, key=lambda c: not self.owns(c["path"])):
                 lay = c.get("layout", "files")
                 if lay != layout or place is not None and place != (
                         os.path.dirname(c["path"]) if lay == "hf" else c["path"]):
@@ -381,6 +381,11 @@ class ModelCache:
                 if m is not None and self.copy_complete(m, c):
                     return m, c["path"], lay
         return None
+
+    def owns(self, path: str) -> bool:
+        """Whether the copy at ``path`` is the cache's own (a folder of models/), which it may delete; told by
+        the path, never by a record (a torn or hand-edited one could name any folder)."""
+        return os.path.dirname(path) == self.models
 
     def entries(self) -> list[Entry]:
         """Every copy the cache knows of, with whether it is complete and in use now."""
@@ -396,7 +401,7 @@ class ModelCache:
                     if fd is not None:
                         os.close(fd)
                 out.append(Entry(model_id=model_id, bytes=doc.get("bytes", 0), uses=list(doc.get("uses", [])),
-                                 fetch_seconds=doc.get("fetch_seconds"), owned=bool(c.get("owned")),
+                                 fetch_seconds=doc.get("fetch_seconds"), owned=self.owns(c["path"]),
                                  complete=m is not None and self.copy_complete(m, c), in_use=in_use,
                                  path=c["path"], name=doc.get("name", ""), layout=c.get("layout", "files")))
         return out
@@ -437,9 +442,7 @@ class ModelCache:
         return evicted
 
     def _remove_copy(self, model_id: str, path: str, delete: bool) -> bool:
-        """Remove (``delete``) or forget one copy, if no join or seed holds it; whether it went.  Only a
-        folder of models/ is ever deleted: a record (torn, hand-edited) naming one elsewhere is forgotten."""
-        delete = delete and os.path.dirname(path) == self.models  # how ``register`` tells an owned copy
+        """Remove (``delete``) or forget one copy, if no join or seed holds it; whether it went."""
         fd = try_exclusive(path) if os.path.isdir(path) else None
         if fd is None and os.path.isdir(path):
             return False
@@ -464,7 +467,7 @@ class ModelCache:
         model_id = self.resolve(text)
         done = []
         for c in (self.record(model_id) or {}).get("copies", []):
-            if not self._remove_copy(model_id, c["path"], delete=bool(c.get("owned"))):
+            if not self._remove_copy(model_id, c["path"], delete=self.owns(c["path"])):
                 raise ModelCacheError(f"model {model_id[:16]} at {c['path']} is in use (a join or seed holds it)")
             done.append(c["path"])
         self.failed.clear(model_id)
