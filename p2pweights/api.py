@@ -614,10 +614,10 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     gate = keys.gate(ctx, key)
     try:
         router, my_port = bind_router(ctx, host, port, key)
-    except zmq.ZMQError as e:
+    except P2PError:
         gate and gate.stop()
         ctx.term()
-        raise P2PError(f"cannot listen on {host}:{port}: {e}") from None
+        raise
     me = advertise or local_ip_towards(p_host)
     peer_id = peer_id or f"{os.uname().nodename}-{os.urandom(4).hex()}"
     hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -50,6 +51,24 @@ def positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
     return n
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds > 0 (an argparse type)."""
+    try:
+        t = float(text)
+    except ValueError:
+        t = math.nan
+    if not 0 < t < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return t
+
+
+def count(text: str) -> int:
+    """A whole number >= 0 (an argparse type)."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return int(text)
 
 
 def human(n: float) -> str:
@@ -363,18 +382,24 @@ def cmd_cache(args) -> int:
     elif args.action == "rm":
         if not args.model:
             raise UserError("p2pw cache rm needs the MODEL (an id, a prefix of at least 4 hex digits, or ORG/NAME)")
-        for path in cache.remove(args.model):
+        removed = cache.remove(args.model)
+        for path in removed:
             print(f"p2pw: removed {path}")
+        if not removed:  # a record of no copy (torn, hand-edited): forgotten
+            print(f"p2pw: forgot {args.model}: the cache kept no copy of it")
     else:
         r = cache.gc()
         for path in r["forgotten"]:
             print(f"p2pw: forgot {path} (gone)")
+        for path in r["unreadable"]:
+            print(f"p2pw: dropped the unreadable record {path}")
         for path in r["incomplete"]:
             print(f"p2pw: removed incomplete {path}")
         for e in r["evicted"]:
             print(f"p2pw: evicted {e.model_id[:16]} ({human(e.bytes)}) {e.path}")
         print(f"p2pw: gc done: {len(r['evicted'])} evicted, {len(r['incomplete'])} incomplete removed, "
-              f"{len(r['forgotten'])} forgotten, {r['failures']} expired failures dropped")
+              f"{len(r['forgotten'])} forgotten, {len(r['unreadable'])} unreadable records and {r['failures']} expired "
+              "failures dropped")
     return 0
 
 
@@ -475,7 +500,7 @@ def _seed_parser(sub) -> None:
     s.add_argument("--expect", type=positive, metavar="N",
                    help="peers expected (how --topology auto chooses; default 16)")
     s.add_argument("--window", type=positive, default=FIRST_WINDOW, help=WINDOW_HELP)
-    s.add_argument("--exit-after", type=int, default=0, metavar="N", help="exit once N peers are done and gone")
+    s.add_argument("--exit-after", type=count, default=0, metavar="N", help="exit once N peers are done and gone")
     s.add_argument("--manifest", metavar="M",
                    help="serve at once with this manifest (from p2pw manifest PATH -o M) instead of hashing "
                         "PATH first; chunks are read from storage and verified as peers ask for them")
@@ -487,7 +512,7 @@ def _seed_parser(sub) -> None:
                         "(sha256, blake2b, blake3) that also stops a peer forging chunks")
     s.add_argument("--max-peers", type=positive, default=10_000, help="refuse joiners beyond this many peers")
     s3_flags(s)
-    s.add_argument("--progress-every", type=float, default=10.0, metavar="S",
+    s.add_argument("--progress-every", type=seconds, default=10.0, metavar="S",
                    help="seconds between lines about the fleet (peers, done, the slowest) while peers download")
     _ops_flags(s)
     s.add_argument("--exclude", action="append", default=[], metavar="GLOB",
@@ -520,10 +545,10 @@ def _join_parser(sub) -> None:
     j.add_argument("--key", metavar="DIR", help="fleet key directory (p2pw keygen), as given to p2pw seed")
     j.add_argument("--stay", action="store_true", help="keep serving after the download completes")
     j.add_argument("--window", type=positive, default=FIRST_WINDOW, help=WINDOW_HELP)
-    j.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep trying the parent")
-    j.add_argument("--parent-timeout", type=float, default=5.0,
+    j.add_argument("--connect-timeout", type=seconds, default=30.0, help="seconds to keep trying the parent")
+    j.add_argument("--parent-timeout", type=seconds, default=5.0,
                    help="seconds of silence after which a partner is given up (a planned one for another)")
-    j.add_argument("--give-up-after", type=float, default=300.0, metavar="S",
+    j.add_argument("--give-up-after", type=seconds, default=300.0, metavar="S",
                    help="exit 1 once no chunk arrived from anyone for S seconds (the seeder and every holder "
                         "gone), keeping verified chunks for a resume (default 300)")
     j.add_argument("--verify", choices=("marker", "full"), default="marker",
@@ -539,7 +564,7 @@ def _join_parser(sub) -> None:
     j.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     j.add_argument("--device", help="stream chunks into one buffer on this torch device (cpu, cuda:N) "
                                     "and print the stage report")
-    j.add_argument("--progress-every", type=float, default=10.0, metavar="S",
+    j.add_argument("--progress-every", type=seconds, default=10.0, metavar="S",
                    help="seconds between progress lines when stderr is not a terminal (default 10)")
     _ops_flags(j)
     j.set_defaults(func=cmd_join)
@@ -609,7 +634,7 @@ def _status_parser(sub) -> None:
     st.add_argument("addr", metavar="HOST:PORT", help="the seeder (or any peer: it points to the tracker)")
     st.add_argument("--json", action="store_true", help="print the fleet as JSON")
     st.add_argument("--key", metavar="DIR", help="fleet key directory, when the fleet's links are keyed")
-    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    st.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for the answer")
     st.set_defaults(func=cmd_status)
 
 

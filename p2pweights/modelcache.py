@@ -465,18 +465,26 @@ class ModelCache:
     def remove(self, text: str) -> list[str]:
         """``p2pw cache rm MODEL``: delete the cache's own copy, forget --out copies (their files stay)."""
         model_id = self.resolve(text)
+        record = self.record(model_id)
+        if record is None:  # unreadable (torn or hand-edited): the cache's own folder of it, if any, is the copy
+            own = self.copy_dir(model_id)
+            record = {"copies": [{"path": own}] if os.path.isdir(own) else []}
         done = []
-        for c in (self.record(model_id) or {}).get("copies", []):
+        for c in record.get("copies", []):
             if not self._remove_copy(model_id, c["path"], delete=self.owns(c["path"])):
                 raise ModelCacheError(f"model {model_id[:16]} at {c['path']} is in use (a join or seed holds it)")
             done.append(c["path"])
+        self._update(model_id, lambda doc: None)  # no copy left: the record goes (an unreadable one too)
         self.failed.clear(model_id)
         return done
 
     def gc(self) -> dict:
-        """Forget copies that are gone, delete unused incomplete owned copies and stray folders, drop expired
-        failures, and evict down to the cache size.  Returns what it did."""
-        report = {"forgotten": [], "incomplete": [], "evicted": [], "failures": 0}
+        """Forget copies that are gone and unreadable records, delete unused incomplete owned copies and stray
+        folders, drop expired failures, and evict down to the cache size.  Returns what it did."""
+        report = {"forgotten": [], "unreadable": [], "incomplete": [], "evicted": [], "failures": 0}
+        for model_id in self.model_ids():  # torn or hand-edited records: dropped (a valid one is written back)
+            if self.record(model_id) is None and self._update(model_id, lambda doc: doc) is None:
+                report["unreadable"].append(self._record_path(model_id))
         known = set()
         for e in self.entries():
             known.add(e.path)

@@ -14,6 +14,7 @@ and sent to every partner whose request was parked on it.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import struct
@@ -23,6 +24,7 @@ import time
 import zmq
 
 from . import faults, keys, protocol
+from .errors import P2PError
 from .handlers import MAX_BAD_FROM_PARENT, MAX_BAD_MESSAGES, NOBLOCK, READY, Child, Handlers  # noqa: F401
 from .manifest import chunk_hasher
 from .member import Membership
@@ -388,7 +390,8 @@ class Node:
 
 
 def bind_router(ctx: zmq.Context, host: str, port: int, key: keys.FleetKey | None = None) -> tuple[zmq.Socket, int]:
-    """A ROUTER bound on host:port (port 0 picks a free one), CURVE-secured with ``key``; returns it and its port."""
+    """A ROUTER bound on host:port (port 0 picks a free one), CURVE-secured with ``key``; returns it and its port
+    (P2PError, the socket closed, where it cannot listen there)."""
     sock = ctx.socket(zmq.ROUTER)
     keys.secure_server(sock, key)
     sock.setsockopt(zmq.LINGER, 0)
@@ -396,8 +399,14 @@ def bind_router(ctx: zmq.Context, host: str, port: int, key: keys.FleetKey | Non
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, ROUTER_MAX_MSG)
     sock.setsockopt(zmq.SNDHWM, 2 * MAX_WINDOW)
-    if port:
-        sock.bind(f"tcp://{host}:{port}")
-    else:
-        port = sock.bind_to_random_port(f"tcp://{host}")
+    try:
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+    except zmq.ZMQError as e:
+        sock.close(0)  # else the context's term() waits for it forever
+        why = "no interface of this host has that name or address" if e.errno in (
+            errno.ENODEV, errno.EADDRNOTAVAIL) else e.strerror
+        raise P2PError(f"cannot listen on {host}:{port}: {why}") from None
     return sock, port

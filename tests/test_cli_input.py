@@ -124,6 +124,46 @@ def test_cache_never_deletes_a_folder_outside_models_that_a_record_calls_owned(t
     assert not os.path.exists(os.path.join(root, "index", model_id + ".json"))
 
 
+def test_seed_and_join_on_a_host_that_is_no_address_here(tmp_path):
+    """A failed bind left its socket open and the context's term() waited for it: both hung, silent."""
+    (tmp_path / "w.bin").write_bytes(os.urandom(5000))
+    for host in ("notahost", "192.0.2.77"):  # no such name; an address of no interface here (TEST-NET-1)
+        assert_one_line_error(run("seed", tmp_path / "w.bin", "--host", host, "--port", "0", timeout=30),
+                              f"cannot listen on {host}:0: no interface of this host has that name or address")
+    assert_one_line_error(run("join", "--parent", "127.0.0.1:9", "--host", "notahost", "--out", tmp_path / "o",
+                              timeout=30), "cannot listen on notahost:0")
+
+
+def test_seconds_and_counts_out_of_range():
+    for args, flag in ((("join", "--parent", "127.0.0.1:9", "--give-up-after", "nan"), "--give-up-after"),
+                       (("join", "--parent", "127.0.0.1:9", "--connect-timeout", "-1"), "--connect-timeout"),
+                       (("join", "--parent", "127.0.0.1:9", "--progress-every", "0"), "--progress-every"),
+                       (("status", "127.0.0.1:9", "--timeout", "-1"), "--timeout"),
+                       (("seed", ".", "--exit-after", "-2"), "--exit-after")):
+        assert_usage_error(run(*args), flag)
+
+
+def test_cache_rm_and_gc_of_an_unreadable_record():
+    """A torn or hand-edited record: rm exited 0 saying nothing and kept it; gc kept it for ever."""
+    root = os.environ["P2PW_CACHE_DIR"]
+    index, own = os.path.join(root, "index"), os.path.join(root, "models", "ef" * 32)
+    os.makedirs(index, exist_ok=True)
+    os.makedirs(own)
+    with open(os.path.join(own, "part"), "wb") as f:
+        f.write(b"partial")
+    for m in ("ef" * 32, "fe" * 32, "fa" * 32):
+        with open(os.path.join(index, m + ".json"), "w") as f:
+            f.write('{"copies": [1], "uses": "x"}')
+    r = run("cache", "rm", "efef")
+    assert r.returncode == 0 and r.stdout.strip() == f"p2pw: removed {own}", r.stdout + r.stderr
+    r = run("cache", "rm", "fefe")
+    assert r.returncode == 0 and "forgot fefe: the cache kept no copy of it" in r.stdout, r.stdout + r.stderr
+    r = run("cache", "gc")
+    assert r.returncode == 0 and "dropped the unreadable record" in r.stdout and "fa" * 32 in r.stdout, r.stdout
+    assert not os.path.exists(own)
+    assert sorted(n for n in os.listdir(index) if n.endswith(".json")) == []
+
+
 # ----- cases that were already right, kept so ------------------------------------------------------
 
 
