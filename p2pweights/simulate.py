@@ -137,12 +137,18 @@ def simulate(nodes: int, size: int, uplink: float, chunk: int, topology="forest:
                                ratio=t_last / res.floor, extra={**res.extra, "startup": startup})
 
 
+MAX_NODES = 1_000_000  # time and memory grow with the peers: 100,000 took 23 s and 185 MB here, 10^8 would take hours
+
+
 def _predict(nodes: int, size: int, uplink: float, chunk: int, topology, latency: float, window: int,
              efficiency: float, budget: int, uplinks, failures) -> Result:
     """``simulate`` from the peers' join."""
     nodes, size, chunk, window = int(nodes), int(size), int(chunk), int(window)
     if nodes < 1 or size < 1 or chunk < 1 or window < 1:
         raise ValueError("nodes, size, chunk and window must be >= 1")
+    if nodes > MAX_NODES:
+        raise ValueError(f"--nodes {nodes}: the model runs up to {MAX_NODES:,} peers (its time grows with "
+                         "them: 100,000 take about 25 s)")
     if uplink <= 0 or not 0 < efficiency <= 1 or latency < 0:
         raise ValueError("uplink must be > 0, efficiency in (0, 1], latency >= 0")
     t0 = _time.process_time()

@@ -99,6 +99,12 @@ def test_simulate_kill_of_a_rank_that_is_no_peer():
     assert_one_line_error(r, "RANK must be a peer (1-8)", prefix="p2pw simulate: error:")
 
 
+def test_simulate_more_peers_than_it_models():
+    """10^8 peers ran for hours, growing its memory, before it said anything."""
+    r = run("simulate", "--nodes", "100000000", "--size", "1GB", "--uplink", "1Gbit", timeout=30)
+    assert_one_line_error(r, "runs up to 1,000,000 peers", prefix="p2pw simulate: error:")
+
+
 def test_cache_with_a_corrupt_record_a_stray_model_or_a_bad_backoff():
     root = os.environ["P2PW_CACHE_DIR"]
     os.makedirs(os.path.join(root, "index"), exist_ok=True)
