@@ -474,7 +474,7 @@ class ModelCache:
             if not self._remove_copy(model_id, c["path"], delete=self.owns(c["path"])):
                 raise ModelCacheError(f"model {model_id[:16]} at {c['path']} is in use (a join or seed holds it)")
             done.append(c["path"])
-        self._update(model_id, lambda doc: None)  # no copy left: the record goes (an unreadable one too)
+        self._update(model_id, lambda doc: doc if doc and doc.get("copies") else None)  # one of no copy goes too
         self.failed.clear(model_id)
         return done
 
