@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 
 import zmq
@@ -43,18 +44,25 @@ def repeating(message: str, cause: str) -> P2PError:
     return e
 
 
+HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]")  # a name, an IPv4 address, or an IPv6 one in brackets
+
+
+def valid_host(host: str) -> bool:
+    """Whether ``host`` can be a host name or address (a name is not looked up)."""
+    return HOST.fullmatch(host) is not None
+
+
 def parse_addr(addr: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
     """'HOST[:PORT]' -> (host, port)."""
     addr = addr.removeprefix("tcp://")
     host, sep, port = addr.rpartition(":")
-    if not sep:
+    if not sep or host.count("[") != host.count("]"):  # no port (an IPv6 address's colons are in brackets)
         host, port = addr, default_port
     try:
         port = int(port)
     except ValueError:
         port = -1
-    if not host.strip() or any(c.isspace() for c in host) or host.count("[") != host.count("]") \
-            or not 0 < port < 65536:
+    if not valid_host(host) or not 0 < port < 65536:
         raise P2PError(f"bad address {addr!r}: expected HOST[:PORT], PORT in 1-65535")
     return host, port
 
@@ -451,8 +459,7 @@ def status(addr: str, *, key: keys.FleetKey | None = None, timeout: float = 5.0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_STATUS_BYTES)
             keys.secure_client(sock, key)
             if not _send_and_wait(sock, addr, protocol.control(Msg.STATUS), timeout, key):
-                raise P2PError(f"no answer from {addr} within {timeout:g} s: is a p2pw seeder or peer running "
-                               f"there (with --key if the fleet is keyed)?")
+                raise P2PError(_no_answer(addr, timeout, " (with --key if the fleet is keyed)"))
             try:
                 event = protocol.decode(sock.recv_multipart())
             except ProtocolError as e:
@@ -511,10 +518,23 @@ def _send_and_wait(sock, addr: str, frame: bytes, timeout: float, key) -> bool:
         watch.close()
 
 
+def _no_answer(addr: str, timeout: float, hint: str = "") -> str:
+    """Why ``addr`` said nothing: a name that does not resolve (ZeroMQ retries one silently: it may come up,
+    as a Kubernetes service's does), else nobody there."""
+    import socket  # only once nothing answered: a join's start-up never looks a name up itself
+
+    host = addr.rpartition(":")[0].strip("[]")
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"no answer from {addr} within {timeout:g} s: the name {host!r} does not resolve ({e})"
+    return f"no answer from {addr} within {timeout:g} s: is a p2pw seeder or peer running there{hint}?"
+
+
 def _hello(sock, addr: str, hello: dict, timeout: float, key):
     """Send HELLO on ``sock`` to ``addr`` and return the answer: WELCOME or REDIRECT, else P2PError."""
     if not _send_and_wait(sock, addr, protocol.control(Msg.HELLO, **hello), timeout, key):
-        raise P2PError(f"no answer from {addr} within {timeout:g} s: is a p2pw seeder or peer running there?")
+        raise P2PError(_no_answer(addr, timeout))
     try:
         event = protocol.decode(sock.recv_multipart())
     except ProtocolError as e:
@@ -610,6 +630,9 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
             raise P2PError(str(e)) from None
     p_host, p_port = parse_addr(parent)
     parent = f"{p_host}:{p_port}"
+    if advertise is not None and not valid_host(advertise):
+        raise P2PError(f"bad --advertise {advertise!r}: expected the HOST (a name or an address) peers reach this "
+                       "one at")
     ctx = zmq.Context()
     gate = keys.gate(ctx, key)
     try:

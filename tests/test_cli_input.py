@@ -170,6 +170,21 @@ def test_cache_rm_and_gc_of_an_unreadable_record():
     assert sorted(n for n in os.listdir(index) if n.endswith(".json")) == []
 
 
+def test_report_and_ready_files_in_a_missing_folder_are_refused_before_any_work(tmp_path):
+    """A join downloaded the whole model, then failed on its --report naming a temporary file."""
+    missing = tmp_path / "nowhere" / "r.json"
+    assert_usage_error(run("join", "--parent", "127.0.0.1:9", "--report", missing), "--report")
+    assert_usage_error(run("seed", tmp_path, "--ready", missing), "--ready")
+    assert_usage_error(run("seed", tmp_path, "--report", missing), "--report")
+
+
+def test_hosts_that_are_no_name_or_address():
+    """A host 'bad!!' was taken, and a join advertised 'HOST:PORT' to its peers with its own port appended."""
+    assert_one_line_error(run("status", "bad!!:7420", "--timeout", "1"), "bad address 'bad!!:7420'")
+    for advertise in ("bad!!", "10.0.0.5:7000"):
+        assert_one_line_error(run("join", "--parent", "127.0.0.1:9", "--advertise", advertise), "bad --advertise")
+
+
 # ----- cases that were already right, kept so ------------------------------------------------------
 
 
