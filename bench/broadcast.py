@@ -401,6 +401,11 @@ def main(argv=None) -> int:
                  f"libtorrent pieces of {args.piece_size >> 10} KiB ({'TCP+uTP' if args.bt_utp else 'TCP only'}), "
                  f"medians of {args.repeat} run(s), {ncpu} CPUs; {_versions()}; the default plan is "
                  f"{default_plan() or 'unknown'}")
+        starts = {n: fleet.start_cost(n) for n in args.peers} if any(v != BT for v in args.variants) else {}
+        if starts:  # the bed's part of a cold start this hour (CPU speed and load differ by the hour)
+            intro += "; a join's imports take " + ", ".join(
+                f"{together:.2f} s {n} at once" for n, (_, together) in starts.items()) + \
+                f" ({min(alone for alone, _ in starts.values()) * 1000:.0f} ms alone)"
         print(f"# broadcast: {intro}", file=sys.stderr, flush=True)
         for n in args.peers:
             try:
@@ -429,7 +434,8 @@ def main(argv=None) -> int:
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.md).write_text(f"# Broadcast on emulated hosts\n\n`{cmd.strip()}` ({when})\n\n{text}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"summaries": summaries, "runs": raw}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"summaries": summaries, "runs": raw, "start_cost": {
+            str(n): {"alone": a, "together": t} for n, (a, t) in starts.items()}}, indent=1, default=str))
     return 1 if failed else 0
 
 

@@ -295,6 +295,30 @@ def compile_package() -> None:
     compileall.compile_dir(str(ROOT / "p2pweights"), quiet=1)
 
 
+JOIN_IMPORTS = "import p2pweights.cli, p2pweights.api"  # what a join imports before its first request
+
+
+def start_cost(n: int, repeats: int = 3) -> tuple[float, float]:
+    """Seconds from launching ``n`` interpreters that import what a join imports (the CLI, ``api`` with
+    pyzmq) at once to the last one's exit, and one alone: medians of ``repeats``.  The part of a cold
+    run's start that is this machine's cores this hour, not the data plane (``--warm`` measures it
+    inside a run)."""
+    compile_package()
+
+    def once(k: int) -> float:
+        t0 = time.monotonic()
+        procs = [subprocess.Popen([sys.executable, "-c", JOIN_IMPORTS], cwd=ROOT) for _ in range(k)]
+        for p in procs:
+            if p.wait() != 0:
+                raise RunFailed(f"{sys.executable} -c {JOIN_IMPORTS!r} exited {p.returncode}")
+        return time.monotonic() - t0
+
+    def median(k: int) -> float:
+        return sorted(once(k) for _ in range(repeats))[repeats // 2]
+
+    return median(1), median(n)
+
+
 def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = None, chunk: int | None = None,
              kill: bool = False, timeout: float = 300, keep: bool = False, trace: bool = False,
              warm: bool = False) -> dict:

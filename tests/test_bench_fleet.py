@@ -145,3 +145,8 @@ def test_trace_hop_lags_say_how_far_behind_its_source_and_the_seeder_a_host_veri
     src, lags, behind = rows[("2", 0)]
     assert src == "1" and lags == pytest.approx([0.05, 0.05, 0.1]) and behind == pytest.approx(0.1)
     assert rows[("1", 0)] == ("S", [0.0, 0.0, 0.0], 0.0)
+
+
+def test_start_cost_launches_the_joins_imports_alone_and_at_once():
+    alone, together = fleet.start_cost(2, repeats=1)
+    assert alone > 0 and together > 0  # seconds, whatever this hour's cores make of them
