@@ -620,19 +620,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     where = _destination(out, cache, hf_cache)
     if model_id is not None and cache is not None and not retry_now:
         _refuse_remembered(cache, model_id, where)
-    if device is not None:
-        from .device import parse_device  # imports torch: only when a device is asked for
-        parse_device(device)
-    if model_id is not None:
-        try:
-            model_id = check_model_id(model_id)
-        except ManifestError as e:
-            raise P2PError(str(e)) from None
-    p_host, p_port = parse_addr(parent)
-    parent = f"{p_host}:{p_port}"
-    if advertise is not None and not valid_host(advertise):
-        raise P2PError(f"bad --advertise {advertise!r}: expected the HOST (a name or an address) peers reach this "
-                       "one at")
+    model_id, p_host, parent = _checked(model_id, device, parent, advertise)
     ctx = zmq.Context()
     gate = keys.gate(ctx, key)
     try:
@@ -673,6 +661,23 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     dl.path, dl.lock, dl.model_cache = target, lock, model_cache
     dl.finishing = [lambda: _finished(dl, layout)]
     return dl
+
+
+def _checked(model_id, device, parent: str, advertise):
+    """``join``'s arguments, checked before anything opens: (the full model id, the parent's host, HOST:PORT)."""
+    if device is not None:
+        from .device import parse_device  # imports torch: only when a device is asked for
+        parse_device(device)
+    if model_id is not None:
+        try:
+            model_id = check_model_id(model_id)
+        except ManifestError as e:
+            raise P2PError(str(e)) from None
+    p_host, p_port = parse_addr(parent)
+    if advertise is not None and not valid_host(advertise):
+        raise P2PError(f"bad --advertise {advertise!r}: expected the HOST (a name or an address) peers reach this "
+                       "one at")
+    return model_id, p_host, f"{p_host}:{p_port}"
 
 
 def _handshake_remembered(ctx, parent, hello, model_id, timeout, key, cache, retry_now, where):
