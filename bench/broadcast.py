@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "bench" / "netbed"))
 
 import fleet  # noqa: E402
-from testbed import Testbed  # noqa: E402
+from testbed import Testbed, cpu_plan  # noqa: E402
 
 from p2pweights.cli import size as parse_size  # noqa: E402
 from p2pweights.synth import write_synthetic_model  # noqa: E402
@@ -312,6 +312,10 @@ def parse_args(argv):
                     help="also run each p2pw plan with the joins started and imported before the clock "
                          "(bench/warm_join.py): how much of a run is N interpreters starting on this machine's "
                          "cores; a diagnostic of the bed, never the headline")
+    ap.add_argument("--cpus-per-host", default="auto", metavar="K",
+                    help="pin each emulated host's processes to K cores of its own, as real hosts have (auto: as "
+                         "many as fit with one left for the bench, none where fewer cores than hosts + 1: then "
+                         "every host shares the machine's, as on this 2-core VM; 0: never pin)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 32 MiB, N = 3, one repeat")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one run may take (300)")
     ap.add_argument("--md", default=str(ROOT / "bench" / "results" / "broadcast.md"),
@@ -331,7 +335,22 @@ def parse_args(argv):
     plans = [p.strip() for p in args.plans.split(",") if p.strip()] if "p2pw" in tools else []
     args.variants = plans + [p + WARM for p in plans if args.warm] + ([BT] if BT in tools else [])
     args.slow_hosts = [int(x) for x in args.slow_hosts.split(",")]
+    if args.cpus_per_host != "auto":
+        if not args.cpus_per_host.isdigit():
+            ap.error(f"--cpus-per-host takes a whole number or auto, not {args.cpus_per_host!r}")
+        per_host = int(args.cpus_per_host)
+        too_few = [n for n in args.peers if per_host and not cpu_plan(n + 1, per_host)]
+        if too_few:
+            ap.error(f"--cpus-per-host {per_host}: {len(os.sched_getaffinity(0))} cores do not give "
+                     f"{too_few[0] + 1} hosts {per_host} each and the bench one")
     return args
+
+
+def host_cpus(n: int, args) -> dict[int, list[int]]:
+    """``Testbed(cpus=...)`` for N receivers and the seeder (``--cpus-per-host``)."""
+    if args.cpus_per_host == "0":
+        return {}
+    return cpu_plan(n + 1, None if args.cpus_per_host == "auto" else int(args.cpus_per_host))
 
 
 def run_n(n: int, args, model: str, torrent: str | None, work: str, size: int) -> tuple[dict, int]:
@@ -342,7 +361,7 @@ def run_n(n: int, args, model: str, torrent: str | None, work: str, size: int) -
     floor = size / (args.rate * 1e6 / 8)
     runs = {(c, v): [] for c in args.cases for v in args.variants}
     failed = 0
-    with Testbed(n + 1, rate_mbit=args.rate, fair=not args.fifo) as tb:
+    with Testbed(n + 1, rate_mbit=args.rate, fair=not args.fifo, cpus=host_cpus(n, args)) as tb:
         for rep in range(args.repeat):
             for case in args.cases:
                 tb.set_rates(case_rates(case, args.rate, args.slow_hosts, args.slow_factor))
@@ -401,6 +420,10 @@ def main(argv=None) -> int:
                  f"libtorrent pieces of {args.piece_size >> 10} KiB ({'TCP+uTP' if args.bt_utp else 'TCP only'}), "
                  f"medians of {args.repeat} run(s), {ncpu} CPUs; {_versions()}; the default plan is "
                  f"{default_plan() or 'unknown'}")
+        pinned = {n: len(host_cpus(n, args).get(0, [])) for n in args.peers}
+        intro += "; " + ", ".join(f"N = {n}: each host on {k} core{'s' * (k > 1)} of its own" if k else
+                                  f"N = {n}: the {n + 1} hosts share the {len(os.sched_getaffinity(0))} cores"
+                                  for n, k in pinned.items())
         starts = {n: fleet.start_cost(n) for n in args.peers} if any(v != BT for v in args.variants) else {}
         if starts:  # the bed's part of a cold start this hour (CPU speed and load differ by the hour)
             intro += "; a join's imports take " + ", ".join(
@@ -435,7 +458,8 @@ def main(argv=None) -> int:
         Path(args.md).write_text(f"# Broadcast on emulated hosts\n\n`{cmd.strip()}` ({when})\n\n{text}")
     if args.json:
         Path(args.json).write_text(json.dumps({"summaries": summaries, "runs": raw, "start_cost": {
-            str(n): {"alone": a, "together": t} for n, (a, t) in starts.items()}}, indent=1, default=str))
+            str(n): {"alone": a, "together": t} for n, (a, t) in starts.items()},
+            "cores_per_host": {str(n): k for n, k in pinned.items()}}, indent=1, default=str))
     return 1 if failed else 0
 
 

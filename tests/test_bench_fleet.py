@@ -150,3 +150,11 @@ def test_trace_hop_lags_say_how_far_behind_its_source_and_the_seeder_a_host_veri
 def test_start_cost_launches_the_joins_imports_alone_and_at_once():
     alone, together = fleet.start_cost(2, repeats=1)
     assert alone > 0 and together > 0  # seconds, whatever this hour's cores make of them
+
+
+def test_broadcast_refuses_more_cores_per_host_than_the_machine_has():
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "broadcast.py"), "--cpus-per-host", "1000", "--quick"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--cpus-per-host 1000" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -98,3 +98,28 @@ def test_per_host_rate():
     # Generous lower bound (a shared 2-core machine); the cap itself is a hard upper bound.
     assert 0.5 * 25 <= slow["mbit"] <= 25 * 1.05, slow
     assert slow["tx_bytes"] >= slow["bytes"]        # frame bytes include the headers
+
+
+def test_cpu_plan_gives_each_host_cores_of_its_own_or_none():
+    from testbed import cpu_plan
+
+    assert cpu_plan(3, cores=range(16)) == {0: [1, 2, 3, 4, 5], 1: [6, 7, 8, 9, 10], 2: [11, 12, 13, 14, 15]}
+    assert cpu_plan(9, 1, cores=range(16)) == {i: [1 + i] for i in range(9)}
+    assert cpu_plan(9, cores=range(2)) == {}  # this VM: every host shares both cores
+    assert cpu_plan(2, 2, cores=range(4)) == {}  # asked for more than fit
+
+
+@pytest.mark.timeout(60)
+def test_a_pinned_host_runs_on_its_cores_only():
+    import os
+    import time
+
+    cores = sorted(os.sched_getaffinity(0))
+    with Testbed(2, rate_mbit=100, cpus={1: [cores[-1]]}) as tb:
+        pinned, free = tb.popen(1, ["sleep", "30"]), tb.popen(0, ["sleep", "30"])
+        for p in (pinned, free):  # ``ip netns exec`` (and taskset) exec the command: the PID stays
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{p.pid}/comm").read_text().strip() != "sleep" and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert os.sched_getaffinity(pinned.pid) == {cores[-1]}
+        assert os.sched_getaffinity(free.pid) == set(cores)
