@@ -20,6 +20,7 @@ from .errors import P2PError
 from .cache import STATE_DIR, DiskCache, copy_paths, marker_matches, remove_tree
 from .modelcache import CacheTooSmall, ModelCache, describe_failure
 from .manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
+from .member import WAIT_REPORT
 from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .protocol import Msg, ProtocolError
 from .ring import ChunkRing
@@ -510,8 +511,14 @@ def _send_and_wait(sock, addr: str, frame: bytes, timeout: float, key) -> bool:
     watch = keys.LinkWatch(sock, addr, key)
     sock.connect(tcp(addr))
     sock.send(frame)
+    deadline = time.monotonic() + timeout
     try:
-        return watch.wait(timeout)
+        while (left := deadline - time.monotonic()) > WAIT_REPORT:  # a line every WAIT_REPORT s while we wait
+            if watch.wait(WAIT_REPORT):
+                return True
+            log.warning("no answer from %s yet: trying for %g s more (--connect-timeout)", addr,
+                        round(max(0.0, deadline - time.monotonic()), 1))
+        return watch.wait(max(0.0, left))
     except keys.LinkRefused as e:
         raise P2PError(str(e)) from None
     finally:

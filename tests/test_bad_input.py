@@ -85,6 +85,19 @@ def test_join_nobody_listening(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_join_waiting_for_its_parent_says_so_every_10_s(tmp_path):
+    """It sat silent for the whole --connect-timeout (30 s by default)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = run("join", "--parent", f"127.0.0.1:{port}", "--connect-timeout", "10.5", "--out", tmp_path / "o")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1 and len(lines) == 2, r.stderr
+    assert f"no answer from 127.0.0.1:{port} yet: trying for " in lines[0], lines
+    assert lines[0].endswith(" s more (--connect-timeout)"), lines
+    assert lines[1].startswith(f"p2pw: error: no answer from 127.0.0.1:{port} within 10.5 s"), lines
+
+
 def test_join_wrong_model_id_writes_nothing(procs, tmp_path, model_dir):
     seeder, info = procs.seeder(model_dir)
     r = run("join", "--parent", f"127.0.0.1:{info['port']}", "--model-id", "0123456789abcdef",
