@@ -183,11 +183,14 @@ def cmd_seed(args) -> int:
 
     lines = FleetProgress(s, every=args.progress_every)
     try:  # the fleet snapshot the loop publishes: never the tracker's live member table from this thread
-        serve_until_signalled(lambda: bool(args.exit_after) and s.fleet.done >= args.exit_after
-                              and s.fleet.all_left)
+        serve_until_signalled(lambda: s.node.fatal is not None or bool(args.exit_after)
+                              and s.fleet.done >= args.exit_after and s.fleet.all_left)
     finally:
         lines.close()
         s.close()
+    if s.node.fatal is not None:  # its files changed under it: said once, exit 1
+        error(s.node.fatal)
+        return 1
     fleet = s.fleet  # the loop's last snapshot, taken as it ended
     report = {"model_id": s.model_id, "total_size": m.total_size, "bytes_read": s.bytes_read,
               "bytes_sent": s.stats.bytes_sent, "chunks_sent": s.stats.chunks_sent, "malformed": s.stats.malformed,

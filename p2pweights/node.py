@@ -324,11 +324,12 @@ class Node:
 
     def _send_chunk(self, ident: bytes, index: int) -> bool:
         """Send chunk ``index`` to ``ident``; False if it would block (try again later)."""
+        if (why := self.store.changed(index, self.digest)) is not None:  # a seeder's file changed under it
+            self._fail(why)
+            return True
         slot, data = self.store.outgoing(index)
-        if self.faults is not None:
-            data = self.faults.outgoing(index, data)
-            if data is None:
-                return True
+        if self.faults is not None and (data := self.faults.outgoing(index, data)) is None:
+            return True  # dropped by an injected fault
         sent = self._send(ident, protocol.chunk_header(index), data, copy=False, track=slot is not None)
         if sent:
             if slot is not None:

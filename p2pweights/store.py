@@ -249,6 +249,11 @@ class Store:
     def has(self, index: int) -> bool:
         return bool(self.have[index])
 
+    def changed(self, index: int, digest) -> str | None:
+        """Why chunk ``index`` must not be sent, or None: memory, or a copy we verified, does not change under
+        us (``SourceStore``'s files can)."""
+        return None
+
     @property
     def in_place(self) -> bool:
         """Whether chunks are received straight into ``chunk(i)`` (memory), not handed to ``write``."""
@@ -359,6 +364,21 @@ class Store:
                 del self.watched[index]
 
 
+def _check_size(path: str, fd: int, size: int) -> None:
+    """SourceError unless the file open as ``fd`` still holds ``size`` bytes: a mapping past the end of a
+    file faults (SIGBUS), so a shrunk one is never served."""
+    from .source import SourceError
+
+    now = os.fstat(fd).st_size
+    if now != size:
+        raise SourceError(_resized(path, now, size))
+
+
+def _resized(path: str, now: int, size: int) -> str:
+    return (f"{path} is {now} bytes, the manifest says {size}: it changed under the seeder (restart p2pw seed "
+            "to serve what it holds now)")
+
+
 class SourceStore(Store):
     """A seeder's store: its source files mapped read-only.
 
@@ -371,6 +391,7 @@ class SourceStore(Store):
     """
 
     writable = False  # read-only mappings: nothing is ever written into this store
+    sources: list = []  # (path, fd, offset, size, mtime_ns) of each source file, kept open to see it change (``check``)
 
     @classmethod
     def open(cls, manifest, path) -> "SourceStore":
@@ -378,7 +399,7 @@ class SourceStore(Store):
         from .source import SourceError
 
         root = os.fspath(path)
-        fds = []
+        files = []
         try:
             for f in manifest.files:
                 full = os.path.join(root, f["name"]) if os.path.isdir(root) else root
@@ -386,12 +407,38 @@ class SourceStore(Store):
                     fd = os.open(full, os.O_RDONLY)
                 except OSError as e:
                     raise SourceError(f"cannot read {full}: {e.strerror}") from None
-                fds.append((fd, f["offset"], f["size"]))
-                size = os.fstat(fd).st_size
-                if size != f["size"]:  # a mapping past the end of a file faults (SIGBUS): never serve one
-                    raise SourceError(f"{full} is {size} bytes, the manifest says {f['size']}: "
-                                      "was it changed while being served?")
-            return cls(manifest, FileMap(manifest.total_size, fds, writable=False).buffer)
-        finally:
-            for fd, _, _ in fds:
+                files.append((full, fd, f["offset"], f["size"], os.fstat(fd).st_mtime_ns))
+                _check_size(full, fd, f["size"])
+            store = cls(manifest, FileMap(manifest.total_size, [(fd, at, n) for _, fd, at, n, _ in files],
+                                          writable=False).buffer)
+        except BaseException:
+            for _, fd, _, _, _ in files:
                 os.close(fd)
+            raise
+        store.sources = files
+        return store
+
+    def changed(self, index: int, digest) -> str | None:
+        """Before chunk ``index`` is sent: why it must not be, or None.  A file under it that is no longer its
+        size (a send reading a mapping past the end of a truncated file faults: libzmq aborted the seeder on
+        EFAULT), or, where one was written to since it was mapped, bytes that no longer hash (``digest``) to
+        the manifest's (untouched files are not hashed again: their pages are read by the send alone)."""
+        lo, hi = self.manifest.chunk_span(index)
+        touched = []
+        for full, fd, at, size, mtime in self.sources:
+            if at < hi and lo < at + size:
+                st = os.fstat(fd)
+                if st.st_size != size:
+                    return _resized(full, st.st_size, size)
+                if st.st_mtime_ns != mtime:
+                    touched.append(full)
+        if touched and digest(self.view[lo:hi]) != self.manifest.chunks[index]:
+            return (f"chunk {index} no longer matches the manifest: {', '.join(touched)} changed under the seeder "
+                    "(restart p2pw seed to serve what it holds now)")
+        return None
+
+    def close(self) -> None:
+        super().close()
+        for _, fd, _, _, _ in self.sources:
+            os.close(fd)
+        self.sources = []

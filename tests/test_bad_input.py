@@ -98,6 +98,30 @@ def test_join_waiting_for_its_parent_says_so_every_10_s(tmp_path):
     assert lines[1].startswith(f"p2pw: error: no answer from 127.0.0.1:{port} within 10.5 s"), lines
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", ["overwritten", "truncated"])
+def test_a_source_file_changed_under_the_seeder_ends_it_with_one_error_and_no_peer_takes_it(procs, tmp_path,
+                                                                                            model_dir, change):
+    """A truncated file crashed the seeder (libzmq aborted on EFAULT: 'Bad address (src/tcp.cpp:227)'); an
+    overwritten one was served until each peer had given the seeder up for sending bad chunks."""
+    seeder, info = procs.seeder(model_dir, "--chunk-size", "64KiB")
+    shard = sorted(model_dir.glob("*.safetensors"))[-1]
+    if change == "truncated":
+        os.truncate(shard, shard.stat().st_size // 2)
+    else:
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            f.write(b"\x5a" * 4096)
+    leaf = procs.join(info["port"], tmp_path / "copy", "--give-up-after", "3")
+    assert seeder.wait(60) == 1, seeder.output()
+    errors = [ln for ln in seeder.lines if ln.startswith("p2pw: error:")]
+    assert len(errors) == 1 and shard.name in errors[0] and "changed under the seeder" in errors[0], seeder.output()
+    assert "Traceback" not in seeder.output() and "Bad address" not in seeder.output()
+    assert leaf.wait(60) == 1, leaf.output()
+    assert "failed verification" not in leaf.output()  # nothing corrupt was sent
+    assert not (tmp_path / "copy" / shard.name).exists()  # never final
+
+
 def test_join_wrong_model_id_writes_nothing(procs, tmp_path, model_dir):
     seeder, info = procs.seeder(model_dir)
     r = run("join", "--parent", f"127.0.0.1:{info['port']}", "--model-id", "0123456789abcdef",
