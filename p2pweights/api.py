@@ -516,7 +516,7 @@ def _send_and_wait(sock, addr: str, frame: bytes, timeout: float, key) -> bool:
         while (left := deadline - time.monotonic()) > WAIT_REPORT:  # a line every WAIT_REPORT s while we wait
             if watch.wait(WAIT_REPORT):
                 return True
-            log.warning("no answer from %s yet: trying for %g s more (--connect-timeout)", addr,
+            log.warning("no answer from %s yet: trying for %g s more", addr,
                         round(max(0.0, deadline - time.monotonic()), 1))
         return watch.wait(max(0.0, left))
     except keys.LinkRefused as e:

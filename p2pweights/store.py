@@ -391,7 +391,7 @@ class SourceStore(Store):
     """
 
     writable = False  # read-only mappings: nothing is ever written into this store
-    sources: list = []  # (path, fd, offset, size, mtime_ns) of each source file, kept open to see it change (``check``)
+    sources: list = []  # (path, fd, offset, size, mtime_ns) per source file, open to see it change (``changed``)
 
     @classmethod
     def open(cls, manifest, path) -> "SourceStore":
