@@ -347,9 +347,7 @@ def parse_args(argv):
 
 
 def host_cpus(n: int, args) -> dict[int, list[int]]:
-    """``Testbed(cpus=...)`` for N receivers and the seeder (``--cpus-per-host``)."""
-    if args.cpus_per_host == "0":
-        return {}
+    """``Testbed(cpus=...)`` for N receivers and the seeder (``--cpus-per-host``; 0 pins none)."""
     return cpu_plan(n + 1, None if args.cpus_per_host == "auto" else int(args.cpus_per_host))
 
 

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench" / "netbed"))
 
 from testbed import Testbed, cpu_busy, cpu_times  # noqa: E402
+from warm_join import JOIN_MODULES  # noqa: E402
 
 _SCRIPT = Path(sys.executable).with_name("p2pw")  # the console script, as a user runs it (``-m`` also
 #   imports runpy: about 5 % of a join's start-up CPU, eight times over on two cores)
@@ -295,28 +297,23 @@ def compile_package() -> None:
     compileall.compile_dir(str(ROOT / "p2pweights"), quiet=1)
 
 
-JOIN_IMPORTS = "import p2pweights.cli, p2pweights.api"  # what a join imports before its first request
-
-
 def start_cost(n: int, repeats: int = 3) -> tuple[float, float]:
     """Seconds from launching ``n`` interpreters that import what a join imports (the CLI, ``api`` with
     pyzmq) at once to the last one's exit, and one alone: medians of ``repeats``.  The part of a cold
     run's start that is this machine's cores this hour, not the data plane (``--warm`` measures it
     inside a run)."""
     compile_package()
+    imports = "import " + ", ".join(JOIN_MODULES)  # what a warm join imports before the go
 
     def once(k: int) -> float:
         t0 = time.monotonic()
-        procs = [subprocess.Popen([sys.executable, "-c", JOIN_IMPORTS], cwd=ROOT) for _ in range(k)]
+        procs = [subprocess.Popen([sys.executable, "-c", imports], cwd=ROOT) for _ in range(k)]
         for p in procs:
             if p.wait() != 0:
-                raise RunFailed(f"{sys.executable} -c {JOIN_IMPORTS!r} exited {p.returncode}")
+                raise RunFailed(f"{sys.executable} -c {imports!r} exited {p.returncode}")
         return time.monotonic() - t0
 
-    def median(k: int) -> float:
-        return sorted(once(k) for _ in range(repeats))[repeats // 2]
-
-    return median(1), median(n)
+    return statistics.median(once(1) for _ in range(repeats)), statistics.median(once(n) for _ in range(repeats))
 
 
 def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = None, chunk: int | None = None,

@@ -45,12 +45,16 @@ def port(text: str) -> int:
     return n
 
 
-def positive(text: str) -> int:
-    """A whole number >= 1 (an argparse type)."""
-    n = int(text) if text.strip().isdigit() else 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return n
+def at_least(minimum: int):
+    """An argparse type: a whole number >= ``minimum``."""
+    def whole(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {minimum}")
+        return int(text)
+    return whole
+
+
+positive, count = at_least(1), at_least(0)
 
 
 def seconds(text: str) -> float:
@@ -64,16 +68,9 @@ def seconds(text: str) -> float:
     return t
 
 
-def count(text: str) -> int:
-    """A whole number >= 0 (an argparse type)."""
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
-    return int(text)
-
-
-def report_path(text: str) -> str:
-    """A file to write at the end (an argparse type): its folder must exist and be writable now, not after
-    the download it reports on."""
+def output_path(text: str) -> str:
+    """A file written later (an argparse type): its folder must exist and be writable now, not only once
+    the work it reports on is done."""
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder} is no folder this user can write to")
@@ -516,8 +513,8 @@ def _seed_parser(sub) -> None:
     s.add_argument("--manifest", metavar="M",
                    help="serve at once with this manifest (from p2pw manifest PATH -o M) instead of hashing "
                         "PATH first; chunks are read from storage and verified as peers ask for them")
-    s.add_argument("--ready", type=report_path, help="write {port, model_id} as JSON to this file once serving")
-    s.add_argument("--report", type=report_path, help="write a JSON report to this file on exit")
+    s.add_argument("--ready", type=output_path, help="write {port, model_id} as JSON to this file once serving")
+    s.add_argument("--report", type=output_path, help="write a JSON report to this file on exit")
     s.add_argument("--key", metavar="DIR", help="fleet key directory (p2pw keygen): encrypt and authenticate links")
     s.add_argument("--hash", default="xxh3_64", choices=HASH_NAMES,
                    help="chunk hash: xxh3_64 (default, fast, catches corruption) or a cryptographic one "
@@ -569,7 +566,7 @@ def _join_parser(sub) -> None:
     j.add_argument("--memory-budget", type=size, metavar="SIZE",
                    help="without --out, a blob larger than this is kept in a temporary file, not memory "
                         "(default: half the memory available)")
-    j.add_argument("--report", type=report_path, help="write a JSON summary to this file")
+    j.add_argument("--report", type=output_path, help="write a JSON summary to this file")
     j.add_argument("--trace", action="store_true",
                    help="add each verified chunk to the --report as [seconds since join, chunk, from rank, "
                         "planned rank] (what a slow broadcast waited on: bench/trace.py reads them)")

@@ -32,6 +32,7 @@ from .partners import Partners, send_nowait, tcp  # noqa: F401  (tcp: part of th
 from .protocol import MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: part of the node's limits)
 from .pull import DEFAULT_WINDOW, PullScheduler
 from .serve import MAX_PARKED, Announcer, UploadScheduler
+from .source import SourceError
 
 log = logging.getLogger("p2pw")
 
@@ -324,14 +325,14 @@ class Node:
 
     def _send_chunk(self, ident: bytes, index: int) -> bool:
         """Send chunk ``index`` to ``ident``; False if it would block (try again later)."""
-        if (why := self.store.changed(index, self.digest)) is not None:  # a seeder's file changed under it
-            self._fail(why)
+        try:
+            slot, data = self.store.outgoing(index)
+        except SourceError as e:  # a seeder's file changed under it: it ends, no peer gets those bytes
+            self._fail(str(e))
             return True
-        slot, data = self.store.outgoing(index)
         if self.faults is not None and (data := self.faults.outgoing(index, data)) is None:
             return True  # dropped by an injected fault
-        sent = self._send(ident, protocol.chunk_header(index), data, copy=False, track=slot is not None)
-        if sent:
+        if sent := self._send(ident, protocol.chunk_header(index), data, copy=False, track=slot is not None):
             if slot is not None:
                 self.store.ring.pin(slot, sent)
             self.stats.chunks_sent += 1

@@ -25,6 +25,8 @@ import threading
 import time
 
 from .errors import UserError
+from .manifest import chunk_hasher
+from .source import SourceError
 
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -249,11 +251,6 @@ class Store:
     def has(self, index: int) -> bool:
         return bool(self.have[index])
 
-    def changed(self, index: int, digest) -> str | None:
-        """Why chunk ``index`` must not be sent, or None: memory, or a copy we verified, does not change under
-        us (``SourceStore``'s files can)."""
-        return None
-
     @property
     def in_place(self) -> bool:
         """Whether chunks are received straight into ``chunk(i)`` (memory), not handed to ``write``."""
@@ -364,19 +361,17 @@ class Store:
                 del self.watched[index]
 
 
-def _check_size(path: str, fd: int, size: int) -> None:
-    """SourceError unless the file open as ``fd`` still holds ``size`` bytes: a mapping past the end of a
-    file faults (SIGBUS), so a shrunk one is never served."""
-    from .source import SourceError
+def _sized(path: str, fd: int, size: int) -> os.stat_result:
+    """The file open as ``fd``'s stat, or SourceError where it no longer holds ``size`` bytes: a mapping past
+    the end of a file faults (a send from it: libzmq aborted the seeder on EFAULT), so a resized one is
+    never served."""
+    st = os.fstat(fd)
+    if st.st_size != size:
+        raise SourceError(f"{path} is {st.st_size} bytes, the manifest says {size}: it {CHANGED}")
+    return st
 
-    now = os.fstat(fd).st_size
-    if now != size:
-        raise SourceError(_resized(path, now, size))
 
-
-def _resized(path: str, now: int, size: int) -> str:
-    return (f"{path} is {now} bytes, the manifest says {size}: it changed under the seeder (restart p2pw seed "
-            "to serve what it holds now)")
+CHANGED = "changed under the seeder (restart p2pw seed to serve what it holds now)"
 
 
 class SourceStore(Store):
@@ -391,51 +386,41 @@ class SourceStore(Store):
     """
 
     writable = False  # read-only mappings: nothing is ever written into this store
-    sources: list = []  # (path, fd, offset, size, mtime_ns) per source file, open to see it change (``changed``)
+    sources: list = []  # (path, fd, offset, size, mtime_ns) per source file, open to see it change (``outgoing``)
 
     @classmethod
     def open(cls, manifest, path) -> "SourceStore":
         """Map the files of checkpoint ``path`` (a file or a directory) as ``manifest`` lays them out."""
-        from .source import SourceError
-
         root = os.fspath(path)
-        files = []
+        fds, files = [], []
         try:
             for f in manifest.files:
                 full = os.path.join(root, f["name"]) if os.path.isdir(root) else root
                 try:
-                    fd = os.open(full, os.O_RDONLY)
+                    fds.append(fd := os.open(full, os.O_RDONLY))
                 except OSError as e:
                     raise SourceError(f"cannot read {full}: {e.strerror}") from None
-                files.append((full, fd, f["offset"], f["size"], os.fstat(fd).st_mtime_ns))
-                _check_size(full, fd, f["size"])
+                files.append((full, fd, f["offset"], f["size"], _sized(full, fd, f["size"]).st_mtime_ns))
             store = cls(manifest, FileMap(manifest.total_size, [(fd, at, n) for _, fd, at, n, _ in files],
                                           writable=False).buffer)
         except BaseException:
-            for _, fd, _, _, _ in files:
+            for fd in fds:
                 os.close(fd)
             raise
-        store.sources = files
+        store.sources, store.digest = files, chunk_hasher(manifest.hash)
         return store
 
-    def changed(self, index: int, digest) -> str | None:
-        """Before chunk ``index`` is sent: why it must not be, or None.  A file under it that is no longer its
-        size (a send reading a mapping past the end of a truncated file faults: libzmq aborted the seeder on
-        EFAULT), or, where one was written to since it was mapped, bytes that no longer hash (``digest``) to
-        the manifest's (untouched files are not hashed again: their pages are read by the send alone)."""
+    def outgoing(self, index: int):
+        """Chunk ``index`` for a send, once the files under it are as they were mapped: ``SourceError`` where
+        one is no longer its size (``_sized``), or was written to since (its mtime moved) and the chunk no
+        longer hashes to the manifest's (an untouched file is not hashed again: its pages are read by the
+        send alone, so what storage reads again stays counted by the sending threads)."""
         lo, hi = self.manifest.chunk_span(index)
-        touched = []
-        for full, fd, at, size, mtime in self.sources:
-            if at < hi and lo < at + size:
-                st = os.fstat(fd)
-                if st.st_size != size:
-                    return _resized(full, st.st_size, size)
-                if st.st_mtime_ns != mtime:
-                    touched.append(full)
-        if touched and digest(self.view[lo:hi]) != self.manifest.chunks[index]:
-            return (f"chunk {index} no longer matches the manifest: {', '.join(touched)} changed under the seeder "
-                    "(restart p2pw seed to serve what it holds now)")
-        return None
+        touched = [full for full, fd, at, size, mtime in self.sources
+                   if at < hi and lo < at + size and _sized(full, fd, size).st_mtime_ns != mtime]
+        if touched and self.digest(self.view[lo:hi]) != self.manifest.chunks[index]:
+            raise SourceError(f"chunk {index} no longer matches the manifest: {', '.join(touched)} {CHANGED}")
+        return super().outgoing(index)
 
     def close(self) -> None:
         super().close()
