@@ -72,7 +72,7 @@ import fleet  # noqa: E402
 from testbed import Testbed, cpu_plan  # noqa: E402
 
 from p2pweights.cli import size as parse_size  # noqa: E402
-from p2pweights.synth import write_synthetic_model  # noqa: E402
+from p2pweights.sources.synth import write_synthetic_model  # noqa: E402
 
 CASES = ("equal", "slow1", "slow2", "kill")
 BT = "libtorrent"
@@ -108,8 +108,8 @@ def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str,
     since the launch (interpreters importing on the bed's cores), which the floor does not hold.
     """
     try:
-        from p2pweights.manifest import default_chunk_size
-        from p2pweights.simulate import simulate
+        from p2pweights.sources.manifest import default_chunk_size
+        from p2pweights.swarm.simulate import simulate
 
         uplink = rate_mbit * 1e6 / 8
         plan = default_plan() if plan == "default" else plan

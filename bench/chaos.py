@@ -25,7 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from p2pweights.synth import write_synthetic_model  # noqa: E402
+from p2pweights.sources.synth import write_synthetic_model  # noqa: E402
 
 CHUNK = 256 << 10
 SLOW = {"P2PW_FAULTS": "delay_recv=4ms"}  # keep the run long enough for kills to land mid-transfer

@@ -10,9 +10,9 @@ import os, sys, tempfile, time
 import torch
 import p2pweights
 from safetensors.torch import load_file
-from p2pweights.device import format_report
-from p2pweights.pack import pack
-from p2pweights.synth import write_synthetic_model
+from p2pweights.storage.device import format_report
+from p2pweights.sources.pack import pack
+from p2pweights.sources.synth import write_synthetic_model
 
 assert torch.cuda.is_available(), "no CUDA here"
 size_mb = float(sys.argv[1])

@@ -27,8 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import p2pweights
-from p2pweights.pack import pack
-from p2pweights.synth import write_synthetic_model
+from p2pweights.sources.pack import pack
+from p2pweights.sources.synth import write_synthetic_model
 
 
 def start_seeder(path, work, chunk_size):
@@ -216,7 +216,7 @@ def hf_table(work, args):
 
 
 def p2pweights_format(report):
-    from p2pweights.device import format_report
+    from p2pweights.storage.device import format_report
 
     return format_report(report)
 

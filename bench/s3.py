@@ -149,9 +149,9 @@ def main(argv=None) -> int:
     import boto3
     import botocore.config
 
-    from p2pweights.objstore import S3Checkpoint
-    from p2pweights.store import host_buffer
-    from p2pweights.synth import write_synthetic_model
+    from p2pweights.sources.objstore import S3Checkpoint
+    from p2pweights.storage.store import host_buffer
+    from p2pweights.sources.synth import write_synthetic_model
 
     moto, port = start_moto()
     try:

@@ -10,10 +10,10 @@ import importlib
 import os
 import sys
 
-JOIN_MODULES = ("zmq", "p2pweights.cli", "p2pweights.api", "p2pweights.node", "p2pweights.pull",
-                "p2pweights.store", "p2pweights.cache", "p2pweights.ring", "p2pweights.serve",
-                "p2pweights.handlers", "p2pweights.partners", "p2pweights.member", "p2pweights.uplink",
-                "p2pweights.modelcache", "p2pweights.hfcache", "p2pweights.keys")  # what ``p2pw join --out``
+JOIN_MODULES = ("zmq", "p2pweights.cli", "p2pweights.api", "p2pweights.swarm.node", "p2pweights.swarm.pull",
+                "p2pweights.storage.store", "p2pweights.storage.cache", "p2pweights.storage.ring", "p2pweights.swarm.serve",
+                "p2pweights.swarm.handlers", "p2pweights.swarm.partners", "p2pweights.swarm.member", "p2pweights.swarm.uplink",
+                "p2pweights.storage.modelcache", "p2pweights.storage.hfcache", "p2pweights.wire.keys")  # what ``p2pw join --out``
 #   imports (``sys.modules`` after one): one it misses is imported after the go, as in a cold run
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from safetensors.torch import save_file
 
 import p2pweights
-from p2pweights.pack import pack
+from p2pweights.sources.pack import pack
 
 D, LAYERS, VOCAB, SEQ = 512, 8, 4096, 64
 

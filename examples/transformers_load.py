@@ -27,7 +27,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from p2pweights import hf
-from p2pweights.pack import pack
+from p2pweights.sources.pack import pack
 
 
 def seeder(path, work, delay_ms):

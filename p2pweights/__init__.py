@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"seed": "api", "join": "api", "Seeder": "api", "Download": "api", "P2PError": "errors",
-            "DEFAULT_PORT": "api", "Manifest": "manifest"}
+            "DEFAULT_PORT": "api", "Manifest": "sources.manifest"}
 
 __all__ = ["seed", "join", "Seeder", "Download", "Manifest", "P2PError", "DEFAULT_PORT"]
 __version__ = "0.1.0"

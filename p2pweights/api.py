@@ -15,18 +15,19 @@ import time
 
 import zmq
 
-from . import catalog, hfcache, keys, protocol
+from .storage import catalog, hfcache
+from .wire import keys, protocol
 from .errors import P2PError
-from .cache import STATE_DIR, DiskCache, copy_paths, marker_matches, remove_tree
-from .modelcache import CacheTooSmall, ModelCache, describe_failure
-from .manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
-from .member import WAIT_REPORT
-from .node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
-from .protocol import Msg, ProtocolError
-from .ring import ChunkRing
-from .store import SourceStore, SpaceError, Store, StoreClosed, blob_backing
-from .formats import checkpoint_files, scan as scan_checkpoint
-from .source import BlobSource, sending_read_bytes
+from .storage.cache import STATE_DIR, DiskCache, copy_paths, marker_matches, remove_tree
+from .storage.modelcache import CacheTooSmall, ModelCache, describe_failure
+from .sources.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
+from .swarm.member import WAIT_REPORT
+from .swarm.node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
+from .wire.protocol import Msg, ProtocolError
+from .storage.ring import ChunkRing
+from .storage.store import SourceStore, SpaceError, Store, StoreClosed, blob_backing
+from .sources.formats import checkpoint_files, scan as scan_checkpoint
+from .sources.source import BlobSource, sending_read_bytes
 
 log = logging.getLogger("p2pw")
 
@@ -96,9 +97,9 @@ class Seeder:
                  max_peers: int = 10_000, manifest: str | None = None, exclude=(),
                  s3_concurrency: int = 16, s3_range_size: int = 8 << 20, cache: ModelCache | None = None,
                  probe_port: int = 0):
-        from .chunker import build  # the seeder's parts: a join never imports them (start-up is on the clock)
-        from .topology import make as make_topology
-        from .tracker import Tracker
+        from .sources.chunker import build  # the seeder's parts: a join never imports them (start-up is on the clock)
+        from .swarm.topology import make as make_topology
+        from .swarm.tracker import Tracker
         self.path = os.fspath(path)
         origin = etags = None
         if not os.path.exists(self.path) and hfcache.parse_repo_ref(self.path):  # ORG/NAME[@REVISION]
@@ -117,7 +118,7 @@ class Seeder:
         t0 = time.monotonic()
         self.source = self.s3 = None
         if self.path.startswith("s3://"):  # an object store: boto3 is imported only here
-            from .objstore import S3Checkpoint
+            from .sources.objstore import S3Checkpoint
 
             self.s3 = S3Checkpoint(self.path, s3_concurrency, s3_range_size)
             known = self.s3.check(_read_manifest(manifest), manifest) if manifest else None
@@ -261,7 +262,7 @@ class Seeder:
 def _probe_sink(host: str, port: int):
     """The seeder's ``uplink.ProbeSink`` on host:port; with port 0 any free one, or None where none
     can listen (joiners then go unprobed, and the rate reviews find slow hosts)."""
-    from .uplink import ProbeSink
+    from .swarm.uplink import ProbeSink
 
     try:
         return ProbeSink(host, port)
@@ -582,7 +583,7 @@ def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, st
         store.sinks.append(cache)
     loader = None
     if device is not None:
-        from .device import Loader
+        from .storage.device import Loader
 
         loader = Loader(node, store, device, started)
     for index in recovered:
@@ -673,7 +674,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
 def _checked(model_id, device, parent: str, advertise):
     """``join``'s arguments, checked before anything opens: (the full model id, the parent's host, HOST:PORT)."""
     if device is not None:
-        from .device import parse_device  # imports torch: only when a device is asked for
+        from .storage.device import parse_device  # imports torch: only when a device is asked for
         parse_device(device)
     if model_id is not None:
         try:

@@ -17,7 +17,7 @@ import threading
 import time
 
 from .errors import UserError
-from .pull import DEFAULT_WINDOW
+from .swarm.pull import DEFAULT_WINDOW
 
 log = logging.getLogger("p2pw")
 
@@ -29,7 +29,7 @@ WINDOW_HELP = "first credit window of a link, until its rate is measured (then 0
 def size(text: str) -> int:
     """'4MiB', '4M', '4194304' -> bytes (an argparse type)."""
     from .errors import UserError
-    from .modelcache import parse_size
+    from .storage.modelcache import parse_size
 
     try:
         return parse_size(text)
@@ -127,7 +127,7 @@ def error(message: str) -> None:
 
 def write_json(path: str | None, doc: dict) -> None:
     if path:
-        from .cache import write_text_atomically
+        from .storage.cache import write_text_atomically
         write_text_atomically(path, json.dumps(doc, indent=1))
 
 
@@ -142,7 +142,7 @@ def serve_until_signalled(finished=lambda: False, every: float = 0.1) -> None:
 
 def cmd_seed(args) -> int:
     from .api import DEFAULT_PLAN, seed
-    from .formats import SKIPPED_DIRS
+    from .sources.formats import SKIPPED_DIRS
 
     http = start_ops(args, starting="loading")
     key = load_key(args.key)
@@ -204,7 +204,7 @@ def cmd_seed(args) -> int:
 
 def load_key(directory: str | None):
     """The fleet key in ``directory``, or None when links stay unencrypted."""
-    from .keys import load
+    from .wire.keys import load
 
     return load(directory) if directory is not None else None
 
@@ -226,7 +226,7 @@ def join_command(args, port: int, model_id: str, key) -> str:
 
 
 def cmd_keygen(args) -> int:
-    from .keys import keygen
+    from .wire.keys import keygen
 
     key = keygen(args.dir)
     say("keygen", f"p2pw: wrote the fleet key pair to {key.dir} (fleet.key public, fleet.key_secret secret): "
@@ -245,7 +245,7 @@ def tell_path(path: str) -> None:
 def model_cache(args, needed: bool = True):
     """The node's model cache; where its folder cannot be written, None for a join that writes elsewhere
     (--out, --hf-cache: it just is not remembered), else one error line."""
-    from .modelcache import ModelCache
+    from .storage.modelcache import ModelCache
 
     cache = ModelCache(size=args.cache_size)
     try:
@@ -264,7 +264,7 @@ def model_cache(args, needed: bool = True):
 
 def cmd_join(args) -> int:
     from .api import join, local_copy
-    from .hfcache import hub_dir
+    from .storage.hfcache import hub_dir
     from .ops import Progress
 
     if args.out and args.hf_cache is not None:
@@ -307,7 +307,7 @@ def cmd_join(args) -> int:
     if dl.path:
         tell_path(dl.snapshot or dl.path)
     if args.device:
-        from .device import format_report
+        from .storage.device import format_report
 
         dl.state_dict()
         say("device", format_report(dl.stage_report()), report=dl.stage_report())
@@ -413,7 +413,7 @@ def cmd_cache(args) -> int:
 
 
 def cmd_pack(args) -> int:
-    from .pack import pack, unpack
+    from .sources.pack import pack, unpack
 
     t0 = time.monotonic()
     if args.unpack:
@@ -427,10 +427,10 @@ def cmd_pack(args) -> int:
 
 
 def cmd_manifest(args) -> int:
-    from .chunker import build
+    from .sources.chunker import build
 
     if args.path.startswith("s3://"):
-        from .objstore import S3Checkpoint
+        from .sources.objstore import S3Checkpoint
 
         m, _, _ = S3Checkpoint(args.path, args.s3_concurrency, args.s3_range_size).build(args.chunk_size)
     else:
@@ -446,8 +446,8 @@ def cmd_manifest(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .manifest import Manifest
-    from .source import verify_copy
+    from .sources.manifest import Manifest
+    from .sources.source import verify_copy
 
     try:
         with open(args.manifest, "rb") as f:
@@ -473,7 +473,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_simulate(args, rest) -> int:
-    from .simulate import main as simulate_main
+    from .swarm.simulate import main as simulate_main
 
     return simulate_main(rest) or 0
 
@@ -488,7 +488,7 @@ def s3_flags(p) -> None:
 
 def _seed_parser(sub) -> None:
     """``p2pw seed``'s arguments."""
-    from .manifest import HASH_NAMES
+    from .sources.manifest import HASH_NAMES
 
     s = sub.add_parser("seed", help="serve a checkpoint (file or directory) and run the tracker")
     s.add_argument("path", help="checkpoint file or directory, s3://BUCKET/PREFIX (pip install 'p2pweights[s3]'), "

@@ -15,9 +15,9 @@ import sys
 import tempfile
 import time
 
-from .chunker import build
-from .source import verify_copy
-from .synth import write_synthetic_model
+from .sources.chunker import build
+from .sources.source import verify_copy
+from .sources.synth import write_synthetic_model
 
 
 def p2pw_argv(*args: str) -> list[str]:

@@ -138,7 +138,7 @@ def procs(tmp_path):
 @pytest.fixture
 def model_dir(tmp_path):
     """A small sharded Llama-style checkpoint with config and tokenizer files."""
-    from p2pweights.synth import write_synthetic_model
+    from p2pweights.sources.synth import write_synthetic_model
 
     d = tmp_path / "model"
     write_synthetic_model(d, size_mb=6, shards=3)

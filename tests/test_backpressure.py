@@ -4,7 +4,7 @@ import time
 
 from conftest import same_tree
 
-from p2pweights.synth import write_synthetic_model
+from p2pweights.sources.synth import write_synthetic_model
 
 
 def rss_kib(pid: int) -> int:

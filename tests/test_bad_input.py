@@ -11,8 +11,8 @@ import zmq
 
 from conftest import ROOT, p2pw_argv, same_tree
 
-from p2pweights import protocol
-from p2pweights.protocol import Msg
+from p2pweights.wire import protocol
+from p2pweights.wire.protocol import Msg
 
 
 def run(*args, timeout=60, **kw):

@@ -22,7 +22,7 @@ N = 3
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from p2pweights.synth import write_synthetic_model
+    from p2pweights.sources.synth import write_synthetic_model
 
     d = tmp_path_factory.mktemp("fleet-model")
     write_synthetic_model(d / "model", size_mb=8, shards=2)

@@ -65,7 +65,7 @@ def test_verify_a_manifest_with_a_malformed_file_table_or_model_id(tmp_path):
 
 
 def test_unpack_an_index_whose_tensors_are_not_a_list(tmp_path):
-    from p2pweights.synth import write_synthetic_model
+    from p2pweights.sources.synth import write_synthetic_model
 
     write_synthetic_model(tmp_path / "model", size_mb=1, shards=1)
     assert run("pack", tmp_path / "model", "-o", tmp_path / "packed").returncode == 0

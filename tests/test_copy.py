@@ -5,7 +5,7 @@ import os
 
 from conftest import same_tree
 
-from p2pweights.synth import write_synthetic_model
+from p2pweights.sources.synth import write_synthetic_model
 
 CHUNK = "64KiB"
 

@@ -8,8 +8,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from p2pweights.formats import ALIGN, FormatError, checkpoint_files, layout, read_safetensors_header, scan
-from p2pweights.synth import write_safetensors
+from p2pweights.sources.formats import ALIGN, FormatError, checkpoint_files, layout, read_safetensors_header, scan
+from p2pweights.sources.synth import write_safetensors
 
 
 def numpy_tensors():

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2pweights import protocol
-from p2pweights.protocol import (CLIENT_TRANSITIONS, HEADER, MAGIC, PROTOCOL_VERSION, SERVER_TRANSITIONS, Connection,
+from p2pweights.wire import protocol
+from p2pweights.wire.protocol import (CLIENT_TRANSITIONS, HEADER, MAGIC, PROTOCOL_VERSION, SERVER_TRANSITIONS, Connection,
                                  Event, Msg, ProtocolError)
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

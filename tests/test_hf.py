@@ -11,7 +11,7 @@ from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM  #
 
 import p2pweights  # noqa: E402
 from p2pweights import hf  # noqa: E402
-from p2pweights.pack import pack  # noqa: E402
+from p2pweights.sources.pack import pack  # noqa: E402
 
 CHUNK = 64 << 10
 

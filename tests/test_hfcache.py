@@ -152,7 +152,7 @@ def test_seed_a_revision_and_a_plain_checkpoint_keeps_its_model_id(procs, tmp_pa
     # the same files as a plain directory: no origin, no etags, the id they always had
     plain = json.loads(run("manifest", src, env=env).stdout)
     assert "origin" not in plain and not any("etag" in f for f in plain["files"])
-    from p2pweights.manifest import Manifest
+    from p2pweights.sources.manifest import Manifest
     assert Manifest.from_json(json.dumps(plain)).model_id == plain["model_id"] != info["model_id"]
     # a join of a plain checkpoint cannot be written as an HF cache: one clear line
     _, plain_info = procs.seeder(src, env=env)

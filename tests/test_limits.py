@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 import zmq
 
-from p2pweights import node, protocol
+from p2pweights.swarm import node
+
+from p2pweights.wire import protocol
 from p2pweights.api import P2PError, join, seed
-from p2pweights.manifest import MAX_CHUNK_SIZE, Manifest, ManifestError
-from p2pweights.protocol import Msg
+from p2pweights.sources.manifest import MAX_CHUNK_SIZE, Manifest, ManifestError
+from p2pweights.wire.protocol import Msg
 
 CHUNK = 256 << 10
 

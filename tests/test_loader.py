@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import p2pweights
-from p2pweights.device import TensorNotFound
-from p2pweights.pack import pack
-from p2pweights.synth import write_safetensors, write_synthetic_model
+from p2pweights.storage.device import TensorNotFound
+from p2pweights.sources.pack import pack
+from p2pweights.sources.synth import write_safetensors, write_synthetic_model
 
 from test_pack import assert_same, mixed_tensors
 
@@ -154,7 +154,7 @@ def test_cli_join_device_prints_stage_report(tmp_path, procs):
 
 
 def test_seed_and_relay_modules_do_not_import_torch():
-    code = "import p2pweights.cli, p2pweights.api, p2pweights.node, p2pweights.pack, sys; " \
+    code = "import p2pweights.cli, p2pweights.api, p2pweights.swarm.node, p2pweights.sources.pack, sys; " \
            "assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from p2pweights.chunker import build
-from p2pweights.manifest import Manifest, ManifestError, default_chunk_size, file_segments
-from p2pweights.source import BlobSource, verify_copy
+from p2pweights.sources.chunker import build
+from p2pweights.sources.manifest import Manifest, ManifestError, default_chunk_size, file_segments
+from p2pweights.sources.source import BlobSource, verify_copy
 
 CHUNK = 64 << 10
 

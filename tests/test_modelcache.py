@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from conftest import ROOT, p2pw_argv, same_tree
-from p2pweights.modelcache import Entry, EvictionPolicy, FailurePolicy, ModelCache
-from p2pweights.synth import write_synthetic_model
+from p2pweights.storage.modelcache import Entry, EvictionPolicy, FailurePolicy, ModelCache
+from p2pweights.sources.synth import write_synthetic_model
 
 HOUR = 3600.0
 MiB = 1 << 20
@@ -338,7 +338,7 @@ def test_processes_sharing_a_cache_never_rename_each_others_half_written_files(t
     target.parent.mkdir()
     script = (
         "import sys\n"
-        "from p2pweights.cache import write_text_atomically\n"
+        "from p2pweights.storage.cache import write_text_atomically\n"
         "for i in range(300):\n"
         "    write_text_atomically(sys.argv[1], sys.argv[2] * 4096)\n"
     )
@@ -358,7 +358,7 @@ def test_processes_sharing_a_cache_never_rename_each_others_half_written_files(t
 def test_a_join_s_record_forgets_out_folders_that_are_gone(tmp_path):
     # every join rewrites the model's record under the index lock: --out folders made and deleted by the
     # thousand (a bench host had 2,359) made that 285 KB of JSON, 0.1-0.2 s of CPU per join
-    from p2pweights.chunker import build
+    from p2pweights.sources.chunker import build
 
     (tmp_path / "m.bin").write_bytes(os.urandom(300_000))
     manifest = build(str(tmp_path / "m.bin"), chunk_size=64 << 10)[0]

@@ -28,7 +28,7 @@ CHUNK = 256 << 10
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from p2pweights.synth import write_synthetic_model
+    from p2pweights.sources.synth import write_synthetic_model
 
     d = tmp_path_factory.mktemp("netbed-model")
     write_synthetic_model(d / "model", size_mb=SIZE_MB, shards=2)
@@ -39,7 +39,7 @@ def model(tmp_path_factory):
 @pytest.mark.parametrize("topo", ["star", "binomial", "chain", "kary:2", "striped:2"])
 def test_broadcast_to_three_hosts(topo, model, tmp_path):
     import fleet
-    from p2pweights import topology
+    from p2pweights.swarm import topology
 
     with Testbed(N + 1, rate_mbit=100) as tb:
         run_id = tb.run_id

@@ -2,10 +2,10 @@
 import pytest
 import zmq
 
-from p2pweights.manifest import Manifest
-from p2pweights.node import IDLE_FORGET, Child, Node, bind_router
-from p2pweights.protocol import SERVER_TRANSITIONS, Connection
-from p2pweights.store import Store
+from p2pweights.sources.manifest import Manifest
+from p2pweights.swarm.node import IDLE_FORGET, Child, Node, bind_router
+from p2pweights.wire.protocol import SERVER_TRANSITIONS, Connection
+from p2pweights.storage.store import Store
 
 
 @pytest.fixture
@@ -34,9 +34,9 @@ def test_quiet_strangers_are_forgotten_children_are_not(node):
 
 
 def test_a_request_on_a_dropped_childs_connection_is_answered_not_counted_as_bad(node):
-    from p2pweights import protocol
-    from p2pweights.handlers import Handlers
-    from p2pweights.protocol import Msg
+    from p2pweights.wire import protocol
+    from p2pweights.swarm.handlers import Handlers
+    from p2pweights.wire.protocol import Msg
 
     handlers = Handlers(node)
     dealer = node.ctx.socket(zmq.DEALER)
@@ -67,7 +67,7 @@ def test_leave_and_wake_reach_the_loop_through_its_inbox_and_run_its_timers_at_o
     # another thread (Download.close, the disk finisher) never writes the loop's state: it posts a
     # verb, and the loop's handler sets it and has the timers run at the end of that pass (DONE and
     # LEAVE go out then, not at the next poll timeout of an idle loop)
-    from p2pweights.handlers import Handlers
+    from p2pweights.swarm.handlers import Handlers
 
     handlers = Handlers(node)
     for verb, leaving in ((b"wake", False), (b"leave", True)):

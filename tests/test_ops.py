@@ -15,9 +15,13 @@ import urllib.request
 
 import pytest
 
-from p2pweights import api, fleet, keys
-from p2pweights.topology import make as make_topology
-from p2pweights.tracker import Tracker
+from p2pweights import api
+
+from p2pweights.swarm import fleet
+
+from p2pweights.wire import keys
+from p2pweights.swarm.topology import make as make_topology
+from p2pweights.swarm.tracker import Tracker
 
 from conftest import free_port, p2pw_argv
 
@@ -236,7 +240,7 @@ def test_fleet_snapshot_stays_consistent_while_peers_join_and_leave(procs, tmp_p
 
 def test_snapshot_and_status_reply_are_bounded(tmp_path):
     """A fleet larger than a STATUS_REPLY lists: the slowest are shown, the count covers all."""
-    from p2pweights.chunker import build
+    from p2pweights.sources.chunker import build
 
     (tmp_path / "w.bin").write_bytes(b"x" * 7 * 4096)
     man, _, _ = build(tmp_path / "w.bin", 4096)

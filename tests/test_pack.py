@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from p2pweights.formats import ALIGN, FormatError, layout
-from p2pweights.chunker import build
-from p2pweights.pack import BLOB, INDEX, forward_key, pack, unpack
-from p2pweights.synth import write_synthetic_model
+from p2pweights.sources.formats import ALIGN, FormatError, layout
+from p2pweights.sources.chunker import build
+from p2pweights.sources.pack import BLOB, INDEX, forward_key, pack, unpack
+from p2pweights.sources.synth import write_synthetic_model
 
 
 def mixed_tensors():

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from p2pweights.cache import DiskCache
-from p2pweights.chunker import build
-from p2pweights.ring import ChunkRing
-from p2pweights.store import Store
+from p2pweights.storage.cache import DiskCache
+from p2pweights.sources.chunker import build
+from p2pweights.storage.ring import ChunkRing
+from p2pweights.storage.store import Store
 
 C = 64 << 10
 
@@ -162,7 +162,7 @@ def test_a_file_whose_o_direct_writes_are_refused_goes_through_the_page_cache_fr
     # that file's direct descriptor is closed at the first refusal, and the copy is exact all the same
     import errno
 
-    from p2pweights import cache as cache_module
+    from p2pweights.storage import cache as cache_module
 
     out = tmp_path / "out"
     m, data, cache, ring, store = ring_copy(src, out, slots=4)

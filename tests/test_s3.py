@@ -25,9 +25,9 @@ from conftest import ROOT, free_port, p2pw_argv, same_tree
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from p2pweights.chunker import build  # noqa: E402
-from p2pweights.manifest import Manifest  # noqa: E402
-from p2pweights.objstore import Retry  # noqa: E402
+from p2pweights.sources.chunker import build  # noqa: E402
+from p2pweights.sources.manifest import Manifest  # noqa: E402
+from p2pweights.sources.objstore import Retry  # noqa: E402
 
 CREDS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 SHARD = "model-00002-of-00003.safetensors"
@@ -370,7 +370,7 @@ def test_access_denied_gives_one_error_line(model_dir):
 def test_local_seeder_never_imports_the_s3_client(model_dir):
     code = ("import sys; from p2pweights.api import seed; s = seed(sys.argv[1], port=0, host='127.0.0.1'); "
             "s.close(); print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore') "
-            "or m == 'p2pweights.objstore'))")
+            "or m == 'p2pweights.sources.objstore'))")
     r = subprocess.run([sys.executable, "-c", code, str(model_dir)], capture_output=True, text=True, timeout=60,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr

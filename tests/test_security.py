@@ -14,9 +14,11 @@ import pytest
 import xxhash
 import zmq
 
-from p2pweights import forgery, protocol
-from p2pweights.manifest import Manifest
-from p2pweights.protocol import Msg
+from p2pweights.failpoints import forgery
+
+from p2pweights.wire import protocol
+from p2pweights.sources.manifest import Manifest
+from p2pweights.wire.protocol import Msg
 
 CHUNK = 256 << 10
 
@@ -208,7 +210,7 @@ class FakeTracker:
 def test_joiner_checks_what_a_lying_tracker_sends(tmp_path, model, case):
     """The pin is checked by the joiner itself, before any byte is written, even if the tracker ignores it."""
     from p2pweights.api import P2PError, join
-    from p2pweights.chunker import build
+    from p2pweights.sources.chunker import build
 
     path, _ = model
     m, _, _ = build(path, CHUNK)
@@ -250,7 +252,7 @@ def test_forged_chunk_with_valid_xxh3(procs, tmp_path, model, hash_name, caught)
 
 
 def test_blake3_without_package_is_a_clear_error(monkeypatch):
-    from p2pweights.manifest import ManifestError, chunk_hasher
+    from p2pweights.sources.manifest import ManifestError, chunk_hasher
 
     monkeypatch.setitem(sys.modules, "blake3", None)
     with pytest.raises(ManifestError, match="needs the blake3 package"):
@@ -258,8 +260,8 @@ def test_blake3_without_package_is_a_clear_error(monkeypatch):
 
 
 def test_strong_hashes_verify(tmp_path, model):
-    from p2pweights.chunker import build
-    from p2pweights.manifest import chunk_hasher
+    from p2pweights.sources.chunker import build
+    from p2pweights.sources.manifest import chunk_hasher
 
     path, data = model
     for name in ("sha256", "blake2b"):

@@ -2,8 +2,8 @@
 who hears of fresh chunks at once, who in batches."""
 import pytest
 
-from p2pweights.protocol import ProtocolError
-from p2pweights.serve import HAVE_DEFER, PULLING, Announcer, UploadScheduler
+from p2pweights.wire.protocol import ProtocolError
+from p2pweights.swarm.serve import HAVE_DEFER, PULLING, Announcer, UploadScheduler
 
 
 def held(text: str):

@@ -3,8 +3,8 @@ coarsening, and the command line."""
 import numpy as np
 import pytest
 
-from p2pweights import simulate as sim
-from p2pweights import topology as T
+from p2pweights.swarm import simulate as sim
+from p2pweights.swarm import topology as T
 
 MiB = 2 ** 20
 S, C, B = 256 * MiB, 4 * MiB, 400e6 / 8   # 256 MiB, 4 MiB chunks, 400 Mbit/s
@@ -158,7 +158,7 @@ def test_forest_plan_sends_one_copy_from_the_seeder_and_stays_near_the_floor():
 
 
 def test_slow_hosts_cost_only_their_share_of_the_uplinks():
-    from p2pweights.simulate import slow_uplinks
+    from p2pweights.swarm.simulate import slow_uplinks
 
     even = sim.simulate(16, 256 << 20, 50e6, 1 << 20, "forest:2")
     ups = slow_uplinks(16, 50e6, 2 / 16, 0.25)
@@ -170,7 +170,7 @@ def test_slow_hosts_cost_only_their_share_of_the_uplinks():
 
 
 def test_each_demoted_host_serves_one_unplaced_pair_and_the_forwarders_the_rest():
-    from p2pweights.simulate import _busiest
+    from p2pweights.swarm.simulate import _busiest
 
     size, k, r = 1000.0, 2, 10.0
     alone = _busiest(size, k, 4, np.array([]), r, 8)  # no spare slot: 8 forwarders share 4 half-stripes
@@ -190,7 +190,7 @@ def test_a_killed_peer_costs_the_rest_of_the_model_over_the_re_placed_plan():
 
 
 def test_simulate_cli_takes_slow_hosts_and_kills(capsys):
-    from p2pweights.simulate import main
+    from p2pweights.swarm.simulate import main
 
     assert main(["--nodes", "16", "--size", "64MiB", "--uplink", "400Mbit", "--slow", "0.125:0.25",
                  "--kill", "3@0.5"]) == 0
@@ -201,7 +201,7 @@ def test_simulate_cli_takes_slow_hosts_and_kills(capsys):
 
 def test_peers_joining_after_the_launch_finish_that_much_later(capsys):
     # startup: the time a process takes to start and reach the tracker, which a user waits for too
-    from p2pweights.simulate import main
+    from p2pweights.swarm.simulate import main
 
     for kw in ({}, {"uplinks": [50e6] * 7 + [12.5e6]}, {"failures": [(2, 1 / 3)]}):
         now = sim.simulate(8, 256 << 20, 50e6, 1 << 20, "forest:2", **kw)

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from p2pweights.cache import CacheError, DiskCache
-from p2pweights.chunker import build
-from p2pweights.source import BlobSource
-from p2pweights.store import FileMap, SourceStore, Store, blob_backing
+from p2pweights.storage.cache import CacheError, DiskCache
+from p2pweights.sources.chunker import build
+from p2pweights.sources.source import BlobSource
+from p2pweights.storage.store import FileMap, SourceStore, Store, blob_backing
 
 CHUNK = 64 << 10
 
@@ -167,7 +167,7 @@ def test_manifest_names_inside_the_state_dir_are_refused(src, tmp_path):
 
 def test_seeder_serves_its_mapped_source_and_counts_what_storage_reads_again(tmp_path):
     from p2pweights.api import join, seed
-    from p2pweights.source import storage_read_bytes
+    from p2pweights.sources.source import storage_read_bytes
 
     src = checkpoint(tmp_path / "src", {"w.bin": 4 << 20, "x.json": 100})
     size = (4 << 20) + 100
@@ -259,7 +259,7 @@ def test_waiters_return_when_their_chunks_are_verified_in_any_order(src):
 
 
 def test_a_seeder_store_says_when_a_source_file_changed_under_it(tmp_path):
-    from p2pweights.source import SourceError
+    from p2pweights.sources.source import SourceError
 
     src = checkpoint(tmp_path / "src", {"a.bin": 3 * CHUNK, "b.bin": 2 * CHUNK})
     m, _, _ = build(src, CHUNK)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from p2pweights.formats import layout, read_safetensors_header
-from p2pweights.synth import write_synthetic_model
+from p2pweights.sources.formats import layout, read_safetensors_header
+from p2pweights.sources.synth import write_synthetic_model
 
 
 def shard_names(info):

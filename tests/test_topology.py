@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from p2pweights import topology as T
+from p2pweights.swarm import topology as T
 
 NAMES = ["binomial", "chain", "star", "kary:2", "kary:3", "kary:4",
          "striped:1", "striped:2", "striped:3", "striped:4", "striped:5"]
@@ -223,7 +223,7 @@ def test_striped_adoptions_settle_and_keep_the_rules(k, n):
 
 
 def test_tracker_adoptions_move_early_peers_to_their_round_head():
-    from p2pweights.tracker import Tracker
+    from p2pweights.swarm.tracker import Tracker
 
     tr = Tracker(T.Striped(2), "seed:1")
     a = tr.join("a", "a:1")

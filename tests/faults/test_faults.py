@@ -14,7 +14,7 @@ import pytest
 from conftest import same_tree
 from test_bad_input import spray
 
-from p2pweights.synth import write_synthetic_model
+from p2pweights.sources.synth import write_synthetic_model
 
 SLOW = {"P2PW_FAULTS": "delay_recv=15ms"}
 PARENT_OF = {1: 0, 2: 0, 3: 1, 4: 0, 5: 1, 6: 2, 7: 3}

@@ -12,7 +12,7 @@ import pytest
 from conftest import same_tree
 from test_faults import report, verified, wait_fraction
 
-from p2pweights.synth import write_synthetic_model
+from p2pweights.sources.synth import write_synthetic_model
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import UserError
+from ..errors import UserError
 
 REPO_REF = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w][\w./-]*))?$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")

@@ -16,7 +16,7 @@ import math
 import os
 import stat
 import struct
-from .errors import UserError
+from ..errors import UserError
 
 ALIGN = 4096
 MAX_HEADER = 100 << 20

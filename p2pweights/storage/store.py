@@ -24,9 +24,9 @@ import os
 import threading
 import time
 
-from .errors import UserError
-from .manifest import chunk_hasher
-from .source import SourceError
+from ..errors import UserError
+from ..sources.manifest import chunk_hasher
+from ..sources.source import SourceError
 
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -23,16 +23,17 @@ import time
 
 import zmq
 
-from . import faults, keys, protocol
-from .errors import P2PError
+from .. import failpoints as faults
+from ..wire import keys, protocol
+from ..errors import P2PError
 from .handlers import MAX_BAD_FROM_PARENT, MAX_BAD_MESSAGES, NOBLOCK, READY, Child, Handlers  # noqa: F401
-from .manifest import chunk_hasher
+from ..sources.manifest import chunk_hasher
 from .member import Membership
 from .partners import Partners, send_nowait, tcp  # noqa: F401  (tcp: part of the node's surface)
-from .protocol import MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: part of the node's limits)
+from ..wire.protocol import MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: part of the node's limits)
 from .pull import DEFAULT_WINDOW, PullScheduler
 from .serve import MAX_PARKED, Announcer, UploadScheduler
-from .source import SourceError
+from ..sources.source import SourceError
 
 log = logging.getLogger("p2pw")
 
@@ -352,7 +353,7 @@ class Node:
 
     def attach_source(self, source) -> None:
         """Serve chunks not yet held by reading them from ``source`` (a seeder with a known manifest)."""
-        from .source import ReadAhead
+        from ..sources.source import ReadAhead
 
         tx = self.ctx.socket(zmq.PUSH)  # used (and closed) only by the read-ahead thread from here on
         tx.setsockopt(zmq.LINGER, 0)

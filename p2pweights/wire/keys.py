@@ -28,7 +28,7 @@ from typing import NamedTuple
 import struct
 
 import zmq
-from .errors import UserError
+from ..errors import UserError
 
 KEY_NAME = "fleet"
 ZAP_DOMAIN = "p2pw"

@@ -42,8 +42,8 @@ import queue
 import threading
 import time
 
-from .errors import UserError
-from .manifest import chunk_hasher
+from ..errors import UserError
+from ..sources.manifest import chunk_hasher
 from .store import FileMap, check_space
 
 PARTIAL = ".partial"

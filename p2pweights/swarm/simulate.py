@@ -4,7 +4,7 @@ A discrete-event model at chunk granularity of exactly what the nodes do; no
 sockets, no wall clock.  Theory of operation:
 
 * The blob (``size`` bytes) is cut into chunks of ``chunk`` bytes; chunk i goes
-  down stripe tree ``i % stripes`` of the topology (``p2pweights.topology``).
+  down stripe tree ``i % stripes`` of the topology (``p2pweights.swarm.topology``).
 * Each peer has one connection per stripe (to its parent in that stripe, as
   the node opens one DEALER per stripe) and keeps at most ``window`` chunk
   requests outstanding on it, asking for the stripe's chunks in index order.  A request reaches the parent ``latency`` seconds later; the parent
@@ -27,7 +27,7 @@ size: with no latency, broadcast time is a + b*chunk (bulk term plus a
 pipeline-fill term proportional to the chunk size), which is exact for the
 closed forms (star, chain) and within a few percent elsewhere.
 
-``python -m p2pweights.simulate --nodes 16 --size 256MiB --uplink 400Mbit
+``python -m p2pweights.swarm.simulate --nodes 16 --size 256MiB --uplink 400Mbit
 --chunk 4MiB --topology striped:2`` prints a one-screen report.
 """
 from __future__ import annotations

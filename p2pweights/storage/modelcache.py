@@ -27,8 +27,8 @@ import re
 import time
 
 from .cache import STATE_DIR, copy_paths, marker_matches, remove_tree, write_atomically, write_text_atomically
-from .errors import UserError
-from .manifest import Manifest, ManifestError, sha256
+from ..errors import UserError
+from ..sources.manifest import Manifest, ManifestError, sha256
 
 log = logging.getLogger("p2pw")
 

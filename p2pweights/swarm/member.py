@@ -14,9 +14,9 @@ import struct
 
 import zmq
 
-from . import protocol
+from ..wire import protocol
 from .partners import send_nowait
-from .protocol import CLIENT_TRANSITIONS, Connection, Msg
+from ..wire.protocol import CLIENT_TRANSITIONS, Connection, Msg
 from .uplink import probe_in_background, split_host_port
 
 log = logging.getLogger("p2pw")

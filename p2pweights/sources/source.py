@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 
-from .errors import UserError
+from ..errors import UserError
 from .manifest import chunk_hasher, file_segments
 
 

@@ -13,8 +13,8 @@ import struct
 
 import zmq
 
-from . import protocol
-from .protocol import MAX_NAME, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
+from ..wire import protocol
+from ..wire.protocol import MAX_NAME, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
 
 log = logging.getLogger("p2pw")
 

@@ -17,7 +17,7 @@ import json
 
 import xxhash
 
-from .errors import UserError
+from ..errors import UserError
 from .formats import ALIGN
 
 try:  # CPython's own SHA-256 for the model id: importing hashlib loads OpenSSL, 2 ms of every join's start

@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from .errors import P2PError
+from ..errors import P2PError
 from .store import ANY_CHUNK, StoreClosed
 
 # safetensors dtype -> torch dtype attribute (those this torch has)

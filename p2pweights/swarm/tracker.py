@@ -24,8 +24,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from .errors import UserError
-from .protocol import YOUNG
+from ..errors import UserError
+from ..wire.protocol import YOUNG
 from .topology import live_parent
 
 ROOT = 0

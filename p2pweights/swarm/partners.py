@@ -14,8 +14,8 @@ import logging
 
 import zmq
 
-from . import keys, protocol
-from .protocol import CLIENT_TRANSITIONS, Connection, Msg
+from ..wire import keys, protocol
+from ..wire.protocol import CLIENT_TRANSITIONS, Connection, Msg
 from .serve import MAX_PARKED
 
 log = logging.getLogger("p2pw")

@@ -1,4 +1,4 @@
-"""Faults: opt-in fault injection for tests and chaos benchmarks; never active by default.
+"""Failpoints: opt-in fault injection, switched on through the environment by tests and chaos benchmarks; never active by default.
 
 Set ``P2PW_FAULTS`` in a node's environment to a comma-separated list:
 
@@ -23,7 +23,7 @@ import os
 import random
 import time
 
-from .errors import UserError
+from ..errors import UserError
 
 log = logging.getLogger("p2pw")
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from .errors import UserError
+from ..errors import UserError
 from .slotindex import UNPLACED, SlotIndex
 
 
@@ -524,7 +524,7 @@ def settled_forest(k: int, n: int, slots=None) -> list[list[int]]:
     group s take the shallowest free slots in rank order, then every other
     peer does; once slots run out, forwarders take one more each in turn.
     ``slots[r]`` (default k): child slots of rank r; 0 makes it a leaf.
-    ``p2pweights.simulate`` predicts the swarm on this table."""
+    ``p2pweights.swarm.simulate`` predicts the swarm on this table."""
     slots = slots if slots is not None else [k] * (n + 1)
     forwarders = [r for r in range(1, n + 1) if slots[r] > 0]
     group = {r: i % k for i, r in enumerate(forwarders)}
@@ -587,7 +587,7 @@ def make(name: str, **opts):
 def auto(n_expected: int, chunks: int = 64):
     """The topology to use for about ``n_expected`` peers (``chunks`` per model).
 
-    Why (from ``p2pweights.simulate``: equal uplinks B, no latency, a model of
+    Why (from ``p2pweights.swarm.simulate``: equal uplinks B, no latency, a model of
     size S cut into ``chunks`` chunks; floor S/B): a chain takes
     S/B * (1 + (N - 1)/chunks), since every uplink carries one copy and only
     the pipeline fill grows with N, so it is the best layout while N - 1 is a

@@ -14,8 +14,8 @@ import json
 import os
 
 from .cache import write_text_atomically
-from .formats import checkpoint_files
-from .manifest import Manifest, ManifestError, sha256
+from ..sources.formats import checkpoint_files
+from ..sources.manifest import Manifest, ManifestError, sha256
 
 
 def _dir() -> str:

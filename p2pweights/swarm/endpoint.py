@@ -17,8 +17,9 @@ import logging
 import statistics
 import time
 
-from . import fleet, protocol
-from .protocol import MAX_NAME, YOUNG, Msg, ProtocolError
+from . import fleet
+from ..wire import protocol
+from ..wire.protocol import MAX_NAME, YOUNG, Msg, ProtocolError
 from .tracker import PROBE_BYTES, PROBE_MIN_TIME, ROOT_LOAN_SHARE, TrackerError, probe_reference
 
 log = logging.getLogger("p2pw")

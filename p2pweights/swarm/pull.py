@@ -58,7 +58,7 @@ import math
 import random
 import time
 
-from .chunkset import bitset, bitset_of, indices_of, lowest_of, stripe_mask
+from ..wire.chunkset import bitset, bitset_of, indices_of, lowest_of, stripe_mask
 
 DEFAULT_WINDOW = 2  # a link's credit window until its first chunk measures its rate
 MIN_WINDOW = 2

@@ -1,0 +1,1 @@
+"""Engines that load weights straight from a download: transformers (``hf``) and vLLM (``vllm``)."""
