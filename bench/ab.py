@@ -5,7 +5,7 @@ configuration took 1.42 and 1.65 x S/B an hour apart), so a change is judged
 only against the code before it, run by run, on the same bed: B then A, then
 A then B, and so on (ABBA), so that neither side always runs first: on this
 VM what a run's joins spend filling new page cache depends on how recently
-the pages were freed (README, stop 33: what a no-op change reads here).
+the pages were freed (bench/JOURNAL.md, 448f955: what a no-op change reads here).
 Each side runs from its own git worktree (A: ``--a``, default HEAD; B:
 ``--b``, or HEAD with ``--patch``, or by default HEAD with the working tree's
 uncommitted changes), so the checkout is never touched.  Every run is one
