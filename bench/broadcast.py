@@ -305,7 +305,7 @@ def parse_args(argv):
     ap.add_argument("--piece-size", type=parse_size, default=256 << 10, help="libtorrent piece size (256KiB)")
     ap.add_argument("--bt-utp", action="store_true", help="let libtorrent use uTP as well as TCP (default TCP only)")
     ap.add_argument("--fifo", action="store_true",
-                    help="one FIFO under each host's cap (the bed before stop 19), not per-destination fair queuing")
+                    help="one FIFO under each host's cap (the bed before 11dfc39), not per-destination fair queuing")
     ap.add_argument("--trace", action="store_true",
                     help="p2pw joins record each verified chunk (join --trace) into --json: bench/trace.py reads it")
     ap.add_argument("--warm", action="store_true",
