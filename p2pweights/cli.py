@@ -104,8 +104,8 @@ def start_ops(args, starting: str):
 
     server = OpsServer(args.http)
     server.readiness.starting = starting
-    events.info("serving /healthz /readyz /metrics on %s", args.http,
-                extra={"event": "http", "addr": args.http, "port": server.port})
+    events.info("serving /healthz /readyz /metrics on %s", server.addr,
+                extra={"event": "http", "addr": server.addr, "port": server.port})
     return server
 
 
@@ -712,8 +712,9 @@ COMMANDS = {"seed": _seed_parser, "join": _join_parser, "status": _status_parser
 
 def _ops_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http", metavar="ADDR",
-                   help="serve /healthz, /readyz and /metrics (Prometheus) on ADDR, e.g. :9420 or 127.0.0.1:9420, "
-                        "from process start")
+                   help="serve /healthz, /readyz and /metrics (Prometheus) on ADDR from process start: :9420 "
+                        "(this host only), 0.0.0.0:9420 (every interface: what a Kubernetes probe needs), "
+                        "[::1]:9420")
     p.add_argument("--log-format", choices=("text", "json"), default=argparse.SUPPRESS,
                    help="json: one JSON object per log line (ts, level, event, model_id, rank, ...)")
 

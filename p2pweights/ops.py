@@ -3,6 +3,9 @@
 - ``OpsServer``: ``/healthz``, ``/readyz`` and ``/metrics`` over HTTP (stdlib
   ``http.server`` in a daemon thread), listening from process start, before
   the node exists; ``bind`` hands it the seeder or download once there is one.
+  ``--http :PORT`` listens on loopback only (name ``0.0.0.0`` or ``[::]`` for
+  every interface); ``ConnectionLimit`` caps the connections served at once
+  and closes each one its deadline after it was accepted.
 - ``Readiness``: the stage of a node (connecting, loading, ready) read from
   its store, disk writer and device sink.
 - ``NodeCollector``: Prometheus metrics read from the node's own counters at
@@ -26,6 +29,11 @@ progress_log = logging.getLogger("p2pw.progress")  # INFO even when the rest log
 
 PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
 DEFAULT_HTTP_PORT = 9420
+LOOPBACK = "127.0.0.1"  # where --http :PORT listens: every other interface is named explicitly
+MAX_CONNECTIONS = 32  # --http connections served at once; one more is answered 503 and closed
+REQUEST_TIMEOUT = 10.0  # seconds an --http connection is held, from accept to its answer's last byte
+BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 21\r\n"
+        b"Connection: close\r\n\r\ntoo many connections\n")
 
 
 class OpsError(UserError, ValueError):
@@ -39,12 +47,16 @@ def _version() -> str:
 
 
 def parse_http_addr(addr: str) -> tuple[str, int]:
-    """':9420' -> ('0.0.0.0', 9420); '127.0.0.1:9420' -> ('127.0.0.1', 9420); '[::1]:9420' too."""
+    """'[HOST]:PORT' -> (host, port).  No host means this host only: ':9420' -> ('127.0.0.1', 9420); every
+    interface is asked for by name ('0.0.0.0:9420', '[::]:9420'); an IPv6 address in brackets ('[::1]:9420')."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise OpsError(f"bad --http address {addr!r}: expected [HOST]:PORT, e.g. :{DEFAULT_HTTP_PORT} or "
-                       f"127.0.0.1:{DEFAULT_HTTP_PORT}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    if (not sep or not port.isdigit() or not 0 <= int(port) < 65536 or "[" in host or "]" in host
+            or (":" in host and not bracketed)):
+        raise OpsError(f"bad --http address {addr!r}: expected [HOST]:PORT, e.g. :{DEFAULT_HTTP_PORT} (this host "
+                       f"only), 0.0.0.0:{DEFAULT_HTTP_PORT} (every interface) or [::1]:{DEFAULT_HTTP_PORT}")
+    return host or LOOPBACK, int(port)
 
 
 # ----- readiness ---------------------------------------------------------------
@@ -160,11 +172,81 @@ def metrics_registry(readiness: Readiness):
 # ----- HTTP --------------------------------------------------------------------
 
 
-class OpsServer:
-    """``/healthz``, ``/readyz`` and ``/metrics`` on ``addr``, served from a daemon thread."""
+class ConnectionLimit:
+    """Which --http connections are served: at most ``cap`` at once, each closed ``timeout`` s after it was
+    accepted, so a half-sent request or an unread answer holds its thread no longer.  Pure: ``now`` is given."""
 
-    def __init__(self, addr: str):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # only a node serving --http
+    def __init__(self, cap: int = MAX_CONNECTIONS, timeout: float = REQUEST_TIMEOUT):
+        self.cap, self.timeout = cap, timeout
+        self.deadlines: dict = {}  # connection -> when it is closed
+
+    def admit(self, conn, now: float) -> bool:
+        """Whether ``conn`` is served (False: the cap is reached)."""
+        if len(self.deadlines) >= self.cap:
+            return False
+        self.deadlines[conn] = now + self.timeout
+        return True
+
+    def release(self, conn) -> None:
+        self.deadlines.pop(conn, None)
+
+    def expired(self, now: float) -> list:
+        """Connections held past their deadline."""
+        return [c for c, t in self.deadlines.items() if t <= now]
+
+
+def _http_server(host: str, port: int, handler, limit: ConnectionLimit):
+    """A ThreadingHTTPServer on ``host`` (IPv6 for an IPv6 address) that serves within ``limit``: over the cap
+    a connection is answered 503 and closed at once; past its deadline it is shut from the serving thread."""
+    import socket
+    from http.server import ThreadingHTTPServer
+
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        daemon_threads = True
+        request_queue_size = 64  # the listen backlog: connections over the cap are accepted to be answered 503
+
+        def __init__(self):
+            self.lock = threading.Lock()
+            super().__init__((host, port), handler)
+
+        def verify_request(self, request, client_address) -> bool:
+            with self.lock:
+                if limit.admit(request, time.monotonic()):
+                    return True
+            try:
+                request.setblocking(False)
+                request.send(BUSY)
+            except OSError:
+                pass
+            return False
+
+        def shutdown_request(self, request) -> None:
+            with self.lock:
+                limit.release(request)
+            super().shutdown_request(request)
+
+        def service_actions(self) -> None:  # the serving thread, between requests and every poll interval
+            with self.lock:
+                late = limit.expired(time.monotonic())
+            for conn in late:  # the handler's next read or write fails and its thread ends
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        def handle_error(self, request, client_address) -> None:
+            log.debug("--http: a connection from %s ended early", client_address, exc_info=True)
+
+    return Server()
+
+
+class OpsServer:
+    """``/healthz``, ``/readyz`` and ``/metrics`` on ``addr``, served from a daemon thread, at most
+    ``max_connections`` at once, each for at most ``request_timeout`` s."""
+
+    def __init__(self, addr: str, max_connections: int = MAX_CONNECTIONS, request_timeout: float = REQUEST_TIMEOUT):
+        from http.server import BaseHTTPRequestHandler  # only a node serving --http
 
         host, port = parse_http_addr(addr)
         self.readiness = Readiness()
@@ -172,6 +254,8 @@ class OpsServer:
         ops = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = request_timeout  # each read and write; the server's deadline bounds them all
+
             def do_GET(self):  # noqa: N802  (http.server's name)
                 try:
                     code, ctype, body = ops.answer(self.path.split("?", 1)[0])
@@ -187,11 +271,11 @@ class OpsServer:
                 pass
 
         try:
-            self.httpd = ThreadingHTTPServer((host, port), Handler)
-        except OSError as e:
-            raise OpsError(f"cannot serve --http on {addr}: {e.strerror or e}") from None
-        self.httpd.daemon_threads = True
+            self.httpd = _http_server(host, port, Handler, ConnectionLimit(max_connections, request_timeout))
+        except (OSError, OverflowError) as e:
+            raise OpsError(f"cannot serve --http on {addr}: {getattr(e, 'strerror', None) or e}") from None
         self.port = self.httpd.server_address[1]
+        self.addr = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="p2pw-http", daemon=True)
         self.thread.start()
 
