@@ -59,7 +59,7 @@ def test_verify_a_manifest_with_a_malformed_file_table_or_model_id(tmp_path):
     del bad["model_id"]
     (tmp_path / "files.json").write_text(json.dumps(bad))
     r = run("verify", tmp_path / "model", "--manifest", tmp_path / "files.json")
-    assert_one_line_error(r, "file entry 1 is not {name, offset, size}")
+    assert_one_line_error(r, "a file entry is int, not an object")
     (tmp_path / "id.json").write_text(json.dumps(dict(doc, model_id=5)))
     assert_one_line_error(run("verify", tmp_path / "model", "--manifest", tmp_path / "id.json"), "fails its own hash")
 

@@ -17,8 +17,9 @@ import json
 
 import xxhash
 
-from ..errors import UserError
+from . import validate
 from .formats import ALIGN
+from .validate import ManifestError
 
 try:  # CPython's own SHA-256 for the model id: importing hashlib loads OpenSSL, 2 ms of every join's start
     from _sha2 import sha256  # 3.12+
@@ -36,7 +37,9 @@ HASHES = {"xxh3_64": lambda b: xxhash.xxh3_64_hexdigest(b)}
 STRONG_HASHES = ("sha256", "blake2b", "blake3")  # collision-resistant: stop a peer that forges chunks on purpose
 HASH_NAMES = ("xxh3_64", *STRONG_HASHES)
 MAX_CHUNK_SIZE = 256 << 20  # a joiner refuses larger chunks (one chunk is one message and one buffer)
-MAX_MANIFEST_BYTES = 256 << 20  # largest manifest a joiner accepts (about 1M chunks with tensor index)
+MAX_MANIFEST_BYTES = 64 << 20  # largest manifest accepted: a 1 TB model's is 31 MiB (xxh3, 4 MiB chunks, 150,000
+#                                tensors) to 57 MiB (blake2b); see docs/security.md
+MAX_OBJECTS = 1 << 20  # JSON objects in one manifest (files and tensors): a parse stops at the next one
 MIN_MODEL_ID = 16  # hex digits of a pinned model id (64 bits); fewer pins next to nothing
 
 
@@ -61,10 +64,6 @@ def chunk_size_for(asked: int | None, total: int) -> int:
         raise ManifestError(f"chunk size must be a positive multiple of {ALIGN} up to {MAX_CHUNK_SIZE >> 20} MiB "
                             f"(joiners refuse larger chunks), got {asked}")
     return asked
-
-
-class ManifestError(UserError, ValueError):
-    """A manifest that cannot be trusted or used: the message says why."""
 
 
 def chunk_hasher(name: str):
@@ -144,41 +143,43 @@ class Manifest:
         doc = dict(self.body(), model_id=self.model_id)
         return json.dumps(doc, indent=indent, sort_keys=True)
 
+    def wire_bytes(self) -> bytes:
+        """The manifest as it travels: its canonical body, whose SHA-256 is the model id (``from_wire``)."""
+        return canonical(self.body())
+
+    @classmethod
+    def from_wire(cls, payload: bytes, expect_id: str | None = None) -> "Manifest":
+        """A manifest a node sent (``wire_bytes``): pinned to ``expect_id``, its bytes are hashed and compared
+        before they are parsed, so a stranger's manifest costs one hash, not a parse; then checked as
+        ``from_json`` checks it, and its content must be those very bytes."""
+        digest = None
+        if expect_id is not None:
+            if len(payload) > MAX_MANIFEST_BYTES:
+                raise ManifestError(f"manifest of {len(payload)} bytes exceeds the {MAX_MANIFEST_BYTES >> 20} MiB limit")
+            digest = sha256(payload).hexdigest()
+            if not digest.startswith(expect_id.lower()):
+                raise ManifestError(f"model id mismatch: wanted {expect_id}, the seeder serves {digest}")
+        m = cls.from_json(payload)
+        if digest is not None and m.model_id != digest:
+            raise ManifestError("manifest bytes are not in canonical form: their hash is not the model id they "
+                                "describe")
+        return m
+
     @classmethod
     def from_json(cls, text: str | bytes, expect_id: str | None = None) -> "Manifest":
-        """Parse and check a manifest; ManifestError if it is malformed, fails its own hash, or is not ``expect_id``."""
+        """Parse and check a manifest (``validate``: every field); ManifestError if it is too large, malformed,
+        fails its own hash, or is not ``expect_id``."""
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest of {len(text)} bytes exceeds the {MAX_MANIFEST_BYTES >> 20} MiB limit")
         try:
-            doc = json.loads(text)
-            m = cls(
-                total_size=int(doc["total_size"]),
-                chunk_size=int(doc["chunk_size"]),
-                chunks=[str(h) for h in doc["chunks"]],
-                files=list(doc.get("files", [])),
-                tensors=list(doc.get("tensors", [])),
-                hash=str(doc.get("hash", "xxh3_64")),
-                version=int(doc["version"]),
-                origin=doc.get("origin"),
-            )
-            if m.origin is not None and not (isinstance(m.origin, dict) and all(
-                    isinstance(m.origin.get(k, ""), str) for k in ("repo", "commit", "revision"))):
-                raise ValueError(f"origin {str(m.origin)[:100]} is not an object of strings")
-            for f in m.files:
-                if not (isinstance(f, dict) and isinstance(f.get("name"), str)
-                        and all(type(f.get(k)) is int and f[k] >= 0 for k in ("offset", "size"))):
-                    raise ValueError(f"file entry {str(f)[:100]} is not {{name, offset, size}}")
-        except (ValueError, KeyError, TypeError) as e:
-            raise ManifestError(f"malformed manifest: {e}") from None
-        if m.version != VERSION:
-            raise ManifestError(f"manifest version {m.version} is not supported (this p2pw reads {VERSION})")
-        chunk_hasher(m.hash)
-        if m.chunk_size <= 0 or m.total_size < 0:
-            raise ManifestError("manifest has a non-positive chunk size or negative total size")
-        if m.chunk_size > MAX_CHUNK_SIZE:
-            raise ManifestError(f"manifest chunk size {m.chunk_size} exceeds the {MAX_CHUNK_SIZE >> 20} MiB limit")
-        if len(m.chunks) != -(-m.total_size // m.chunk_size):
-            raise ManifestError(
-                f"manifest lists {len(m.chunks)} chunk hashes but {m.total_size} bytes need "
-                f"{-(-m.total_size // m.chunk_size)}")
+            doc = json.loads(text, object_pairs_hook=_counted(MAX_OBJECTS))
+        except (ValueError, RecursionError) as e:
+            raise ManifestError(f"malformed manifest: {str(e)[:200]}") from None
+        validate.check(doc, MAX_CHUNK_SIZE, VERSION)
+        chunk_hasher(doc.get("hash", "xxh3_64"))  # known, and usable here (blake3 needs its package)
+        m = cls(total_size=doc["total_size"], chunk_size=doc["chunk_size"], chunks=doc["chunks"],
+                files=doc.get("files", []), tensors=doc.get("tensors", []), hash=doc.get("hash", "xxh3_64"),
+                version=doc["version"], origin=doc.get("origin"))
         claimed = doc.get("model_id")
         if claimed is not None and claimed != m.model_id:
             raise ManifestError(f"manifest fails its own hash: claims model id {str(claimed)[:16]}..., content "
@@ -186,6 +187,19 @@ class Manifest:
         if expect_id is not None and not m.model_id.startswith(expect_id.lower()):
             raise ManifestError(f"model id mismatch: wanted {expect_id}, the seeder serves {m.model_id}")
         return m
+
+
+def _counted(limit: int):
+    """A ``json.loads`` object hook that builds each object as ``dict`` and stops the parse past ``limit`` of
+    them: a manifest of millions of empty objects costs gigabytes to hold, not to send."""
+    left = [limit]
+
+    def hook(pairs):
+        left[0] -= 1
+        if left[0] < 0:
+            raise ValueError(f"more than {limit} objects")
+        return dict(pairs)
+    return hook
 
 
 def canonical(doc: dict) -> bytes:

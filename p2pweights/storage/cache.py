@@ -44,10 +44,11 @@ import time
 
 from ..errors import UserError
 from ..sources.manifest import chunk_hasher
+from ..sources.validate import STATE_DIR  # what p2pw keeps about a copy; a seeder never serves it
+from .paths import PathError, inside
 from .store import FileMap, check_space
 
 PARTIAL = ".partial"
-STATE_DIR = ".p2pw"  # what p2pw keeps about a copy; a seeder never serves it
 MARKER = "complete.json"
 PROGRESS = "progress.json"
 VERIFY_MODES = ("marker", "full")
@@ -141,9 +142,10 @@ def copy_paths(manifest, out: str, names: list[str] | None = None) -> list[str]:
     paths = []
     for i, f in enumerate(manifest.files):
         name = names[i] if names is not None else f["name"]
-        path = os.path.normpath(os.path.join(out, name))
-        if not path.startswith(out + os.sep):
-            raise CacheError(f"file name {name!r} in the manifest escapes the output directory")
+        try:
+            path = inside(out, name)
+        except PathError as e:
+            raise CacheError(f"file name in the manifest: {e}") from None
         if os.path.relpath(path, out).split(os.sep)[0] == STATE_DIR:
             raise CacheError(f"file name {name!r} in the manifest is inside {STATE_DIR}/, which p2pw keeps for itself")
         paths.append(path)
@@ -259,6 +261,9 @@ class DiskCache:
         created = []
         try:
             for i, path in enumerate(self.paths):
+                if os.path.exists(path) and not os.path.exists(path + PARTIAL) and \
+                        os.stat(path).st_size != self.manifest.files[i]["size"]:
+                    os.replace(path, path + PARTIAL)  # a final name is never changed before it is verified
                 if os.path.exists(path) and not os.path.exists(path + PARTIAL):
                     self.final[i] = True  # from an earlier run: re-verified by recover()
                     name = path
@@ -267,7 +272,7 @@ class DiskCache:
                     if not os.path.exists(name):
                         created.append(name)
                 os.makedirs(os.path.dirname(name), exist_ok=True)
-                fd = self.fds[i] = os.open(name, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = self.fds[i] = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
                 size = self.manifest.files[i]["size"]
                 if os.fstat(fd).st_size != size:
                     os.ftruncate(fd, size)
@@ -291,7 +296,7 @@ class DiskCache:
         fds = []
         try:
             for f, path in zip(self.manifest.files, self.paths):
-                fds.append((os.open(path, flags), f["offset"], f["size"]))
+                fds.append((os.open(path, flags | os.O_NOFOLLOW), f["offset"], f["size"]))
             return FileMap(self.manifest.total_size, fds, writable=writable)
         except OSError as e:
             raise CacheError(f"cannot map the copy under {self.out}: {e.strerror or e}") from None

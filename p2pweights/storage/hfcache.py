@@ -16,6 +16,8 @@ import os
 import re
 
 from ..errors import UserError
+from .cache import write_text_atomically
+from .paths import inside
 
 REPO_REF = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w][\w./-]*))?$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -163,15 +165,16 @@ def repo_dir(manifest, hub: str) -> str:
 def publish(manifest, root: str) -> str:
     """Write the snapshot symlinks, then the ref, of a complete copy whose blobs are in ``root/blobs``.
 
-    Returns the snapshot directory.  Idempotent; each link and the ref appear by rename.
+    Returns the snapshot directory.  Idempotent; each link and the ref appear by rename, the ref durably;
+    every path is checked to stay inside ``root`` (``paths.inside``).
     """
     check_publishable(manifest)
     commit = manifest.origin["commit"]
-    snap = os.path.join(root, "snapshots", commit)
+    snap = inside(root, f"snapshots/{commit}")
     for f in manifest.files:
-        link = os.path.join(snap, *f["name"].split("/"))
+        link = inside(snap, f["name"])
         os.makedirs(os.path.dirname(link), exist_ok=True)
-        target = os.path.relpath(os.path.join(root, "blobs", f["etag"]), os.path.dirname(link))
+        target = os.path.relpath(inside(root, f"blobs/{f['etag']}"), os.path.dirname(link))
         if os.path.islink(link) and os.readlink(link) == target:
             continue
         tmp = link + ".p2pw-tmp"
@@ -181,9 +184,7 @@ def publish(manifest, root: str) -> str:
         os.replace(tmp, link)
     revision = manifest.origin.get("revision")
     if revision and revision != commit:
-        ref = os.path.join(root, "refs", *revision.split("/"))
+        ref = inside(root, f"refs/{revision}")
         os.makedirs(os.path.dirname(ref), exist_ok=True)
-        with open(ref + ".p2pw-tmp", "w") as f:
-            f.write(commit)
-        os.replace(ref + ".p2pw-tmp", ref)
+        write_text_atomically(ref, commit, durable=True)
     return snap
