@@ -562,7 +562,7 @@ def _welcome_manifest(event, addr: str, model_id: str | None) -> Manifest:
             and isinstance(p.get("rank"), int) for p in parents):
         raise P2PError(f"{addr} sent a malformed WELCOME: {stripes} stripes, parents {str(parents)[:200]}")
     try:
-        return Manifest.from_json(bytes(event.payload), expect_id=model_id)
+        return Manifest.from_wire(bytes(event.payload), expect_id=model_id)
     except ManifestError as e:
         raise P2PError(str(e)) from None
 

@@ -39,7 +39,7 @@ class TrackerEndpoint:
     def __init__(self, tracker, manifest, clock):
         self.tracker = tracker
         self.manifest = manifest
-        self.manifest_frame = manifest.to_json().encode()
+        self.manifest_frame = manifest.wire_bytes()  # canonical: a pinned joiner hashes it before parsing
         self.clock = clock
         self.members: dict[bytes, int] = {}  # ident -> rank
         self.out: list[tuple[bytes, list]] = []
