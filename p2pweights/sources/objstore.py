@@ -9,7 +9,9 @@ files (``BlobSource``).  Every GET carries ``If-Match`` with the object's ETag
 (which the manifest records per file), so an object that changed under the
 seeder is refused by the store itself and never served.  A throttled (503
 SlowDown) or dropped GET is tried again after a backoff (``Retry``) from the
-byte where it stopped.
+byte where it stopped, within bounds: ``Retry.tries`` tries of one range in
+all and ``Retry.deadline`` seconds for it, then ``RetriesSpent`` names the
+object and the range.
 
 The client is boto3 (the ``s3`` extra), imported only when an s3:// source is
 opened: credentials and endpoint come the standard AWS way (environment
@@ -35,6 +37,8 @@ log = logging.getLogger("p2pw")
 SCHEME = "s3://"
 DEFAULT_CONCURRENCY = 16  # GETs in flight
 DEFAULT_RANGE_SIZE = 8 << 20  # bytes per ranged GET
+DEFAULT_TRIES = 32  # tries of one request (a ranged GET, a listing) in all, those that made progress included
+DEFAULT_DEADLINE = 300.0  # seconds one request may take from its first try, backoffs included
 READ_STEP = 256 << 10  # bytes per read from a GET's body: at most this much of a dropped GET is fetched again
 THROTTLED = {"SlowDown", "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestTimeout",
              "InternalError", "RequestLimitExceeded"}
@@ -49,6 +53,10 @@ def is_s3(path) -> bool:
 
 class ObjectStoreError(SourceError):
     """An object store read that cannot go on: missing bucket or object, access denied, retries spent."""
+
+
+class RetriesSpent(ObjectStoreError):
+    """A request failed or stalled past its retry bounds (``Retry.tries``, ``Retry.deadline``)."""
 
 
 class NoSuchObject(ObjectStoreError):
@@ -78,14 +86,26 @@ class S3Url:
 @dataclass
 class Retry:
     """When a failed request is tried again: exponential backoff with jitter, at most ``attempts``
-    failures in a row (a GET that made progress starts counting again).  Pure: ``sleep`` and
-    ``random`` are injected."""
+    failures in a row (a GET that made progress starts counting again), and whatever its progress at
+    most ``tries`` tries in all and ``deadline`` seconds from its first try (a server that sends a
+    little and drops is not retried for ever).  Pure: ``sleep``, ``random`` and ``clock`` are injected."""
 
     attempts: int = 8
     base: float = 0.05
     cap: float = 5.0
+    tries: int = DEFAULT_TRIES
+    deadline: float = DEFAULT_DEADLINE
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
     random: Callable[[], float] = field(default=random.random, repr=False)
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+
+    def spent(self, tries: int, started: float) -> str | None:
+        """Why a request begun at ``started`` (by ``clock``) is not tried again after ``tries`` tries, or None."""
+        if tries >= self.tries:
+            return f"{tries} tries"
+        if self.clock() - started >= self.deadline:
+            return f"{self.deadline:g} s"
+        return None
 
     def delay(self, failures: int) -> float:
         """Seconds to wait after the ``failures``-th failure in a row (1, 2, ...)."""
@@ -158,26 +178,29 @@ class S3:
             return ObjectStoreError(f"{what}: {e}")
         raise e
 
-    def _failed(self, e: Exception, what: str, failures: int) -> None:
-        """Raise the user-facing error, or count a retry and wait out its backoff."""
+    def _failed(self, e: Exception, what: str, failures: int, tries: int, started: float, span: str = "") -> None:
+        """Raise the user-facing error, or count a retry and wait out its backoff (``span``: the bytes asked)."""
         fatal = self._fatal(e, what)
         if fatal is not None:
             raise fatal from None
+        spent = self.retry.spent(tries, started)
+        if spent is not None:
+            raise RetriesSpent(f"{what}{span}: gave up after {spent}: {str(e).splitlines()[0][:200]}") from None
         if not self.retry.wait(failures):
-            raise ObjectStoreError(f"{what}: gave up after {failures} failed tries in a row: {e}") from None
+            raise RetriesSpent(f"{what}{span}: gave up after {failures} failed tries in a row: {e}") from None
         with self.lock:
             self.retries += 1
         log.info("%s: %s; trying again (%d)", what, str(e).splitlines()[0][:200], failures)
 
     def call(self, what: str, fn):
         """``fn()`` (one request), tried again on transient failures."""
-        failures = 0
+        failures, started = 0, self.retry.clock()
         while True:
             try:
                 return fn()
             except Exception as e:  # classified by _fatal: user errors raise, transient ones retry
                 failures += 1
-                self._failed(e, what, failures)
+                self._failed(e, what, failures, failures, started)
 
     def list(self, url: S3Url) -> list[tuple[str, str, int, str]]:
         """``(name, key, size, etag)`` of the checkpoint at ``url``: the one object ``url`` names, or every
@@ -210,11 +233,14 @@ class S3:
 
     def read(self, bucket: str, key: str, etag: str | None, offset: int, view: memoryview) -> None:
         """Fill ``view`` with bytes [offset, offset + len(view)) of object ``key`` (which must still have
-        ``etag``), with one ranged GET, resumed from where it stopped when throttled or dropped."""
-        what, done, failures, want = f"{SCHEME}{bucket}/{key}", 0, 0, len(view)
+        ``etag``), with one ranged GET, resumed from where it stopped when throttled or dropped (within
+        ``Retry.tries`` and ``Retry.deadline``: RetriesSpent names the object and the range)."""
+        done, failures, tries, want = 0, 0, 0, len(view)
+        what, span = f"{SCHEME}{bucket}/{key}", f" bytes {offset}-{offset + want - 1}"
         extra = {"IfMatch": _quoted(etag)} if etag else {}
+        started = self.retry.clock()
         while done < want:
-            got = 0
+            got, tries = 0, tries + 1
             try:
                 r = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset + done}-{offset + want - 1}",
                                            **extra)
@@ -228,11 +254,14 @@ class S3:
                         if not n:
                             raise self.errors.IncompleteReadError(actual_bytes=done, expected_bytes=want)
                         done, got, failures = done + n, got + n, 0
+                        if done < want and self.retry.spent(0, started):  # a trickle never fails a read
+                            raise RetriesSpent(f"{what}{span}: gave up after {self.retry.deadline:g} s with {done} of "
+                                               f"{want} bytes read")
                 finally:
                     body.close()
             except Exception as e:  # classified by _fatal: user errors raise, transient ones retry from `done`
                 failures += 1
-                self._failed(e, what, failures)
+                self._failed(e, what, failures, tries, started, span)
             finally:
                 with self.lock:
                     self.bytes_read += got
