@@ -190,21 +190,28 @@ def test_garbage_at_the_seeder_port_while_serving(procs, tmp_path, model_dir):
     spray(info["port"], 1000)
     ctx = zmq.Context()
     try:
-        # an attached child that then asks for a chunk that does not exist
-        d = ctx.socket(zmq.DEALER)
-        d.setsockopt(zmq.LINGER, 0)
-        d.connect(f"tcp://127.0.0.1:{info['port']}")
-        d.send(protocol.control(Msg.ATTACH, peer_id="fuzzer", rank=99, model_id=info["model_id"]))
+        # a member (anyone may join without --key) whose child link, attached with the ticket its WELCOME
+        # gave, then asks for a chunk that does not exist
+        m, d = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for sock in (m, d):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{info['port']}")
+        m.send(protocol.control(Msg.HELLO, peer_id="fuzzer", listen="127.0.0.1:9"))
+        assert m.poll(10_000)
+        welcome = protocol.decode(m.recv_multipart())
+        rank, ticket = welcome.fields["rank"], next(p["ticket"] for p in welcome.fields["parents"] if p["rank"] == 0)
+        d.send(protocol.control(Msg.ATTACH, peer_id="fuzzer", rank=rank, model_id=info["model_id"], ticket=ticket))
         d.send(protocol.request([10**6]))
         d.poll(5000)
         d.close()
+        m.close()
     finally:
         ctx.term()
     assert peer.wait(90) == 0, peer.output()
     assert same_tree(model_dir, tmp_path / "p") == []
     assert seeder.popen.poll() is None, "the seeder died"
     seeder.wait_line(r"unknown peer [0-9a-f]+: bad magic")
-    seeder.wait_line(r"peer fuzzer \(rank 99\): requested chunk 1000000")
+    seeder.wait_line(rf"peer fuzzer \(rank {rank}\): requested chunk 1000000")
     # and it still serves a newcomer
     late = procs.join(info["port"], tmp_path / "late")
     assert late.wait(60) == 0, late.output()

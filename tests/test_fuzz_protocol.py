@@ -98,3 +98,65 @@ def test_attached_bitfield_is_numpy_packbits_and_unpacks_to_the_same_chunks(n):
     assert bits == np.packbits(flags).tobytes()
     got = protocol.unpack_bits(bits, n)
     assert [i for i in range(n) if got >> i & 1] == np.flatnonzero(flags).tolist()
+
+
+addresses = st.one_of(st.text(max_size=40), st.from_regex(r"\A[a-z0-9.\[\]:-]{1,30}:[0-9]{1,6}\Z"),
+                      st.sampled_from(["bogus", "ipc:///tmp/x", "tcp://h:1", "[::1]:7420", "h:0", "h:65536",
+                                       "10.0.0.1:7420", "a:1:2", " h:1", "h:1 ", "h:+1", "h:٣"]))
+
+
+@FUZZ
+@given(st.sampled_from([Msg.HELLO, Msg.REDIRECT, Msg.WELCOME]), addresses)
+def test_every_address_a_message_carries_is_host_colon_port(kind, addr):
+    """Whatever address a peer puts in HELLO, REDIRECT or a plan entry, what decodes is HOST:PORT that
+    ZeroMQ takes as a TCP endpoint; nothing else gets past the decoder."""
+    fields = {Msg.HELLO: {"peer_id": "p", "listen": addr}, Msg.REDIRECT: {"tracker": addr},
+              Msg.WELCOME: {"rank": 1, "parents": [{"rank": 0, "stripe": 0, "addr": addr}], "stripes": 1,
+                            "tracker": ""}}[kind]
+    event = decodes_or_refuses([header(kind) + json.dumps(fields).encode(), *([b"{}"] if kind == Msg.WELCOME else [])])
+    if event is not None and addr:
+        assert protocol.valid_addr(addr)
+        host, _, port = addr.rpartition(":")
+        assert protocol.valid_host(host) and 0 < int(port) < 65536 and "://" not in addr
+
+
+def fuzzed_endpoint():
+    from p2pweights.sources.manifest import Manifest
+    from p2pweights.swarm.endpoint import TrackerEndpoint
+    from p2pweights.swarm.topology import make
+    from p2pweights.swarm.tracker import Tracker
+
+    m = Manifest(total_size=8192, chunk_size=1024, chunks=["0" * 16] * 8)
+    clock = lambda: 0.0  # noqa: E731
+    ep = TrackerEndpoint(Tracker(make("forest:2"), "10.0.0.0:7420", clock=clock), m, clock)
+    for i in range(1, 5):
+        ep.hello(f"id{i}".encode(), {"peer_id": f"p{i}", "listen": f"10.0.0.{i}:7000"})
+    return ep
+
+
+member_fields = st.dictionaries(st.sampled_from(["peer_id", "listen", "rank", "secret", "stripe", "parent", "reason",
+                                                 "dead", "have", "links", "got", "rate", "took", "alone", "model_id"]),
+                                json_values | st.integers(-3, 9) | st.dictionaries(st.text(max_size=3),
+                                                                                    json_values, max_size=3),
+                                max_size=10)
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from([Msg.HELLO, Msg.DONE, Msg.LEAVE, Msg.BYE, Msg.ORPHAN, Msg.HEARTBEAT,
+                                           Msg.STATUS, Msg.PROBE]),
+                          st.sampled_from([b"id1", b"id2", b"id3", b"stranger"]), member_fields), max_size=12))
+def test_no_member_message_crashes_the_tracker(messages):
+    """Whatever members and strangers send the seeder's tracker, each message is handled or is a
+    ProtocolError for its sender alone (the node answers that one with ERROR and serves everyone else)."""
+    ep = fuzzed_endpoint()
+    for kind, ident, fields in messages:
+        event = decodes_or_refuses([header(kind) + json.dumps(fields).encode()])
+        if event is None:
+            continue
+        try:
+            ep.HANDLERS[kind](ep, ident, event.fields)
+        except ProtocolError:
+            pass
+        ep.take()
+        ep.review()
+    assert all(ep.tracker.members[r].rank == r for r in ep.idents)

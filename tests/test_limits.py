@@ -74,7 +74,8 @@ def test_oversized_frame_is_dropped(seeder, raw, tmp_path):
 
 
 def test_request_limits(seeder, raw, tmp_path):
-    raw.send(protocol.control(Msg.ATTACH, peer_id="greedy", rank=9, model_id=seeder.model_id))
+    raw.send(protocol.control(Msg.ATTACH, peer_id="greedy", rank=9, model_id=seeder.model_id,
+                              ticket=seeder.tracker.seal.ticket(0, 9)))  # placed there by the tracker
     assert answer(raw).type == Msg.ATTACHED
     raw.send(protocol.request([0, 0, 0]))  # one small message asking for the same chunk three times
     e = answer(raw)

@@ -29,6 +29,8 @@ def test_quiet_strangers_are_forgotten_children_are_not(node):
     node.children[b"child"] = Child("c", 1)
     node._prune(IDLE_FORGET / 2)  # not quiet long enough yet
     assert set(node.conns) == {b"stranger", b"child", b"hostile"}
+    node.seen[b"child"] = IDLE_FORGET  # a child heard from within its timeout (its heartbeats)
+    node.next_prune = 0.0
     node._prune(IDLE_FORGET + 1)
     assert set(node.conns) == {b"child"} and set(node.seen) == {b"child"} and b"hostile" not in node.bad
 

@@ -12,11 +12,18 @@ def tracker_with(n, topology="binomial", clock=time.monotonic):
     return t
 
 
-def test_join_order_gives_binomial_places_and_rejoin_keeps_rank():
+def test_join_order_gives_binomial_places_and_rejoin_with_the_secret_keeps_rank():
     t = tracker_with(7)
     assert t.tree() == {r: Binomial().parents(r) for r in range(1, 8)}
-    again = t.join("p3", "10.0.0.33:7000")  # same peer, new address
+    again = t.join("p3", "10.0.0.33:7000", rank=3, secret=t.seal.secret(3))  # same peer, new address
     assert again.rank == 3 and t.listen_of(3) == "10.0.0.33:7000"
+
+
+def test_a_peer_id_or_a_wrong_secret_takes_over_nobody():
+    t = tracker_with(7)
+    for claim in ({}, {"rank": 3}, {"rank": 3, "secret": "0" * 32}, {"rank": 3, "secret": t.seal.secret(4)}):
+        stranger = t.join("p3", "10.6.6.6:7000", **claim)
+        assert stranger.rank > 7 and t.listen_of(3) == "10.0.0.3:7000"
 
 
 def test_a_peer_leaves_only_when_nobody_depends_on_it():

@@ -6,6 +6,11 @@ pairs, taken with ``take``): WELCOME with the manifest and the joiner's plan,
 REPARENT to every member whose plan changed, LEAVE_OK / LEAVE_WAIT, ERROR.
 A member told to wait is sent LEAVE_OK the moment its last dependent is done,
 gone, or moved elsewhere by a plan change (it also asks again each second).
+A member is bound to the connection that said HELLO (one member per
+connection); a HELLO from another connection is that member again only with
+the secret its WELCOME carried (``membership``).  Members silent for
+``member_timeout`` are dropped, and a report (ORPHAN's dead parent, a
+HEARTBEAT's rates) counts only about the reporter's own parents and partners.
 It also reviews the reported rates (``review``) and demotes slow hosts, and
 publishes the fleet as an immutable ``fleet.Fleet`` (``publish``) that other
 threads read and STATUS is answered from.  The node only routes frames to it
@@ -14,13 +19,15 @@ and sends what it returns.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 
 from . import fleet
 from ..wire import protocol
 from ..wire.protocol import MAX_NAME, YOUNG, Msg, ProtocolError
-from .tracker import PROBE_BYTES, PROBE_MIN_TIME, ROOT_LOAN_SHARE, TrackerError, probe_reference
+from .admission import MEMBER_TIMEOUT
+from .tracker import PROBE_BYTES, PROBE_MIN_TIME, ROOT, ROOT_LOAN_SHARE, TrackerError, probe_reference
 
 log = logging.getLogger("p2pw")
 
@@ -41,7 +48,10 @@ class TrackerEndpoint:
         self.manifest = manifest
         self.manifest_frame = manifest.wire_bytes()  # canonical: a pinned joiner hashes it before parsing
         self.clock = clock
-        self.members: dict[bytes, int] = {}  # ident -> rank
+        self.members: dict[bytes, int] = {}  # ident -> rank: one member per connection
+        self.idents: dict[int, bytes] = {}  # rank -> the connection it speaks on now
+        self.member_timeout = MEMBER_TIMEOUT
+        self.keyed = False  # links are keyed (--key): STATUS may name peer ids
         self.out: list[tuple[bytes, list]] = []
         self.next_review = 0.0
         self.fleet: fleet.Fleet = fleet.snapshot(tracker, manifest)  # read by other threads: replaced, never changed
@@ -58,7 +68,7 @@ class TrackerEndpoint:
         self.out.append((ident, list(frames)))
 
     def ident_of(self, rank: int) -> bytes | None:
-        return next((i for i, r in self.members.items() if r == rank), None)
+        return self.idents.get(rank)
 
     def who(self, ident: bytes) -> str | None:
         rank = self.members.get(ident)
@@ -76,24 +86,43 @@ class TrackerEndpoint:
             return False
         if len(f["peer_id"]) > MAX_NAME or len(f["listen"]) > MAX_NAME:
             raise ProtocolError(f"HELLO peer_id or listen address longer than {MAX_NAME} characters")
+        rank, secret = f.get("rank"), f.get("secret")
+        bound = self.members.get(ident)
+        if bound is not None:  # one member per connection: a HELLO on it is that member's again
+            if f["peer_id"] != self.tracker.members[bound].peer_id:
+                raise ProtocolError("HELLO for another peer on a connection that joined already")
+            rank, secret = bound, self.tracker.seal.secret(bound)
         try:
-            old_rank = f.get("rank") if isinstance(f.get("rank"), int) else None
-            member = self.tracker.join(f["peer_id"], f["listen"], rank=old_rank)
+            member = self.tracker.join(f["peer_id"], f["listen"], rank=rank, secret=secret)
         except TrackerError as e:
             self._send(ident, protocol.control(Msg.ERROR, message=str(e), fatal=True))
             return False
-        self.members[ident] = member.rank
-        self.changed = True
+        self._bind(ident, member.rank)
         log.info("peer %s joined as rank %d under %s", f["peer_id"], member.rank,
                  ", ".join(f"rank {p}" for p in member.parents))
         self._send(ident, protocol.control(
             Msg.WELCOME, rank=member.rank, parents=self.tracker.parent_addrs(member),
             partners=self.tracker.partner_addrs(member), stripes=self.tracker.topology.stripes,
-            tracker=self.tracker.root_listen, **self._probe_asked(member)), self.manifest_frame)
+            tracker=self.tracker.root_listen, secret=self.tracker.seal.secret(member.rank),
+            **self._probe_asked(member)), self.manifest_frame)
         for moved in self.tracker.adoptions(member):
             self.tracker.moved.append(moved.rank)
         self._announce(skip=member.rank)
         return True
+
+    def _bind(self, ident: bytes, rank: int) -> None:
+        """``rank`` speaks on connection ``ident`` from now on; a connection it spoke on before, for nobody."""
+        old = self.idents.get(rank)
+        if old is not None and old != ident:
+            self.members.pop(old, None)
+        self.members[ident], self.idents[rank] = rank, ident
+        self.changed = True
+
+    def _unbind(self, ident: bytes) -> int | None:
+        rank = self.members.pop(ident, None)
+        if rank is not None and self.idents.get(rank) == ident:
+            del self.idents[rank]
+        return rank
 
     def _probe_asked(self, member) -> dict:
         """WELCOME's ask for a probe of the joiner's uplink: where our sink listens and how much to send."""
@@ -148,7 +177,7 @@ class TrackerEndpoint:
 
     def bye(self, ident: bytes, f: dict | None = None) -> None:
         """The member left now (BYE), or its connection is gone."""
-        rank = self.members.pop(ident, None)
+        rank = self._unbind(ident)
         if rank is not None:
             self._gone(rank, "left" if f is not None else "disconnected")
 
@@ -159,7 +188,8 @@ class TrackerEndpoint:
         member = self.tracker.members[rank]
         if not 0 <= f["stripe"] < len(member.parents):
             raise ProtocolError(f"ORPHAN for stripe {f['stripe']}, which does not exist")
-        dead = f.get("dead") is True
+        # a parent's death counts only from a peer that pulls from it (its plan or its partners)
+        dead = f.get("dead") is True and f["parent"] in (*member.parents, *member.partners)
         if dead and f["parent"] in self.tracker.members and not self.tracker.members[f["parent"]].left:
             self._gone(f["parent"], f"reported silent by rank {rank}")
         new = self.tracker.reparent(rank, f["stripe"], f["parent"], dead)
@@ -172,8 +202,12 @@ class TrackerEndpoint:
         rank = self.members.get(ident)
         if rank is None:
             return
-        rates, got = _rate_map(f, "links"), _rate_map(f, "got")
-        have = f.get("have") if isinstance(f.get("have"), int) else None
+        m = self.tracker.members.get(rank)
+        if m is None:
+            return
+        own = {ROOT, *m.parents, *m.partners}  # rates count only of links it has
+        rates, got = _rate_map(f, "links", own), _rate_map(f, "got", own)
+        have = f.get("have") if type(f.get("have")) is int and 0 <= f["have"] <= self.manifest.n_chunks else None
         self.tracker.touch(rank, have=have, rates=rates, delivered=got)
 
     def status(self, ident: bytes, f: dict) -> None:
@@ -183,8 +217,8 @@ class TrackerEndpoint:
         now = self.clock()
         if self.changed and now >= self.snapshot_at + self.snapshot_cost / SNAPSHOT_SHARE:
             self._snapshot(now)
-        if self.fleet_frame is None:
-            self.fleet_frame = self.fleet.encode()
+        if self.fleet_frame is None:  # peer ids only to a keyed fleet: nobody else needs them
+            self.fleet_frame = self.fleet.encode(ids=self.keyed)
         self._send(ident, protocol.control(Msg.STATUS_REPLY, peers=len(self.fleet.peers),
                                            shown=min(len(self.fleet.peers), fleet.MAX_LISTED)), self.fleet_frame)
 
@@ -213,6 +247,11 @@ class TrackerEndpoint:
         now = self.clock()
         if now < self.next_review:
             return
+        for rank in self.tracker.silent(self.member_timeout):
+            ident = self.idents.get(rank)
+            if ident is not None:
+                self._unbind(ident)
+            self._gone(rank, f"silent for over {self.member_timeout:g} s: dropped")
         self.next_review = now + (YOUNG_REVIEW_INTERVAL if now - self.tracker.last_join < YOUNG else REVIEW_INTERVAL)
         demoted = self.tracker.slow_hosts(self.manifest.n_chunks)
         up = self.tracker.judged  # what they were judged on (before their moves), for the log
@@ -254,10 +293,13 @@ class TrackerEndpoint:
                 Msg.ORPHAN: orphan, Msg.HEARTBEAT: heartbeat, Msg.STATUS: status}
 
 
-def _rate_map(f: dict, key: str) -> dict[int, float] | None:
-    """A HEARTBEAT's map of partner rank -> bytes/s under ``key`` (None: not sent)."""
+def _rate_map(f: dict, key: str, own) -> dict[int, float] | None:
+    """A HEARTBEAT's map of partner rank -> bytes/s under ``key`` (None: not sent), of the ranks in ``own``
+    only, and only finite rates of 0 up to MAX_RATE."""
     rates = f.get(key)
     try:
-        return {int(r): float(v) for r, v in rates.items()} if isinstance(rates, dict) else None
-    except (TypeError, ValueError):
+        got = {int(r): float(v) for r, v in rates.items()} if isinstance(rates, dict) else None
+    except (TypeError, ValueError, OverflowError):
         raise ProtocolError(f"HEARTBEAT {key} is not a map of rank to rate") from None
+    return None if got is None else {r: v for r, v in got.items()
+                                     if r in own and math.isfinite(v) and 0 <= v < MAX_RATE}

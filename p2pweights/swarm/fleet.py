@@ -34,10 +34,14 @@ class PeerStatus(NamedTuple):
     left: bool
     demoted: bool
 
-    def to_doc(self) -> dict:
-        return {"rank": self.rank, "peer_id": self.peer_id, "addr": self.addr, "sources": list(self.sources),
-                "have": self.have, "progress": self.progress, "rate": self.rate, "state": self.state,
-                "demoted": self.demoted}
+    def to_doc(self, ids: bool = True) -> dict:
+        """``ids``: with its peer id (a keyed fleet's STATUS, the seeder's own report)."""
+        doc = {"rank": self.rank, "peer_id": self.peer_id, "addr": self.addr, "sources": list(self.sources),
+               "have": self.have, "progress": self.progress, "rate": self.rate, "state": self.state,
+               "demoted": self.demoted}
+        if not ids:
+            del doc["peer_id"]
+        return doc
 
 
 @dataclass(frozen=True)
@@ -64,14 +68,14 @@ class Fleet:
     def all_left(self) -> bool:
         return all(p.left for p in self.peers)
 
-    def to_doc(self, limit: int | None = None) -> dict:
+    def to_doc(self, limit: int | None = None, ids: bool = True) -> dict:
         shown = self.peers if limit is None else self.peers[:limit]
         return {"model_id": self.model_id, "n_chunks": self.n_chunks, "total_size": self.total_size,
-                "taken_at": self.taken_at, "count": len(self.peers), "peers": [p.to_doc() for p in shown]}
+                "taken_at": self.taken_at, "count": len(self.peers), "peers": [p.to_doc(ids) for p in shown]}
 
-    def encode(self, limit: int = MAX_LISTED) -> bytes:
-        """The STATUS_REPLY payload: the document of at most ``limit`` peers, as JSON."""
-        return json.dumps(self.to_doc(limit), separators=(",", ":")).encode()
+    def encode(self, limit: int = MAX_LISTED, ids: bool = True) -> bytes:
+        """The STATUS_REPLY payload: the document of at most ``limit`` peers, as JSON (``ids``: with peer ids)."""
+        return json.dumps(self.to_doc(limit, ids), separators=(",", ":")).encode()
 
 
 def _order(p: PeerStatus) -> tuple:

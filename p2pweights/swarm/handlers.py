@@ -15,6 +15,7 @@ import zmq
 
 from ..wire import protocol
 from ..wire.protocol import MAX_NAME, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
+from .admission import NOT_PLACED, attach_refusal
 
 log = logging.getLogger("p2pw")
 
@@ -105,6 +106,13 @@ class Handlers:
             log.warning("partner rank %d (%s) sent a bad message: %s", link.rank, link.addr, e)
 
     @staticmethod
+    def _rest_bytes(sock) -> list:
+        rest = []
+        while sock.getsockopt(RCVMORE):
+            rest.append(sock.recv())
+        return rest
+
+    @staticmethod
     def _rest(sock) -> list:
         rest = []
         while sock.getsockopt(RCVMORE):
@@ -126,6 +134,8 @@ class Handlers:
             if max(event.indices) >= n.manifest.n_chunks:
                 raise ProtocolError(f"HAVE names chunk {max(event.indices)}; the blob has {n.manifest.n_chunks}")
             n.pull.has(link.rank, event.indices)
+        elif event.type == Msg.ERROR and str(event.fields.get("message")).startswith(NOT_PLACED):
+            n.partners.refused(link.rank)  # our ticket is stale (a restarted tracker): ask for a new plan
         elif event.type == Msg.ERROR and event.fields.get("fatal"):
             if "model id" in str(event.fields.get("message")) or len(n.partners.links) <= 1:  # nobody else to ask
                 n._fail(f"partner {link.addr} refused us: {event.fields.get('message')}")
@@ -205,7 +215,7 @@ class Handlers:
         f = event.fields
         if event.type == Msg.WELCOME:  # a restarted tracker took us back
             n.member.welcomed_again(f["rank"], f.get("uplink_probe"))
-            n.rank = f["rank"]
+            n.rank, n.secret = f["rank"], f.get("secret")
             self._plan(f)
         elif event.type == Msg.LEAVE_OK:
             n.left.set()
@@ -234,16 +244,21 @@ class Handlers:
 
     def on_router(self, sock) -> None:
         n = self.node
-        frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-        ident = frames[0]
+        ident = sock.recv(NOBLOCK)
+        conn = n.conns.get(ident)
+        first = sock.recv(NOBLOCK, copy=conn is not None)  # a new connection's frame says where it is from
+        frames = [first if conn is not None else first.bytes, *self._rest_bytes(sock)]
         n.seen[ident] = n.clock()
         if n.bad.get(ident, 0) >= MAX_BAD_MESSAGES:
             return
-        conn = n.conns.get(ident)
         if conn is None:
+            if not n.admission.admit(ident, _peer_address(first)):
+                n._send(ident, protocol.control(Msg.ERROR, fatal=True, message=(
+                    f"too many connections from {_peer_address(first)} (at most {n.admission.max_per_host})")))
+                return
             conn = n.conns[ident] = Connection(SERVER_TRANSITIONS, "new")
         try:
-            event = conn.receive(protocol.decode(frames[1:]))
+            event = conn.receive(protocol.decode(frames))
             self.on_served(ident, event)
         except ProtocolError as e:
             self._reject(ident, str(e), isinstance(e, protocol.VersionMismatch))
@@ -271,18 +286,17 @@ class Handlers:
             n._send(ident, protocol.control(Msg.REDIRECT, tracker=n.tracker_addr))
         elif n.endpoint is not None and kind in n.endpoint.HANDLERS:
             if n.endpoint.HANDLERS[kind](n.endpoint, ident, event.fields) is False:
-                n.conns.pop(ident, None)
+                n.drop_conn(ident)
 
     def on_attach(self, ident: bytes, f: dict) -> None:
         n = self.node
-        if f["model_id"] != n.model_id:
-            n._send(ident, protocol.control(Msg.ERROR, message="model id mismatch", fatal=True))
-            n.conns.pop(ident, None)
-            return
-        if ident not in n.children and len(n.children) >= n.max_children:
-            n._send(ident, protocol.control(
-                Msg.ERROR, message=f"parent serves its maximum of {n.max_children} children", fatal=True))
-            n.conns.pop(ident, None)
+        why = attach_refusal(f, n.model_id, n.secret, n.children, ident, n.max_children)
+        if why is not None:
+            if why.startswith(NOT_PLACED):
+                log.warning("%s: ATTACH refused: %s", self._who(ident), why)
+            n._send(ident, protocol.control(Msg.ERROR, message=why, fatal=True))
+            n.forget(ident)
+            n.drop_conn(ident)
             return
         n.children[ident] = _child(f)
         n.serve.attach(ident)
@@ -321,6 +335,14 @@ class Child:
 
 def _child(f: dict) -> Child:
     return Child(f["peer_id"][:MAX_NAME], f["rank"])
+
+
+def _peer_address(frame) -> str:
+    """The address a frame came from (its ZeroMQ metadata), or "local" where it has none (inproc)."""
+    try:
+        return frame.get("Peer-Address") or "local"
+    except (zmq.ZMQError, AttributeError):
+        return "local"
 
 
 def _discard_rest(sock) -> None:

@@ -174,7 +174,7 @@ class Membership:
             log.warning("tracker %s silent for %.0f s: introducing ourselves again", self.addr, now - self.heard)
         self.hello_sent = now
         self.post(protocol.control(Msg.HELLO, **self.hello_fields, rank=self.node.rank,
-                                   have=self.node.store.count))
+                                   have=self.node.store.count, secret=self.node.secret))
 
     def close(self) -> None:
         """Tell the tracker we are gone (unless it let us leave), so no joiner is sent to us."""

@@ -28,6 +28,7 @@ from ..wire import keys, protocol
 from ..errors import P2PError
 from .handlers import MAX_BAD_FROM_PARENT, MAX_BAD_MESSAGES, NOBLOCK, READY, Child, Handlers  # noqa: F401
 from ..sources.manifest import chunk_hasher
+from .admission import CHILD_TIMEOUT, MAX_PER_HOST, Admission
 from .member import Membership
 from .partners import Partners, send_nowait, tcp  # noqa: F401  (tcp: part of the node's surface)
 from ..wire.protocol import MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: part of the node's limits)
@@ -97,7 +98,8 @@ class Node:
                  tracker=None, window: int = DEFAULT_WINDOW,
                  key: keys.FleetKey | None = None, max_children: int = MAX_CHILDREN,
                  parent_timeout: float = PARENT_TIMEOUT, tracker_timeout: float = TRACKER_TIMEOUT,
-                 hello: dict | None = None, give_up_after: float = GIVE_UP_AFTER, clock=time.monotonic):
+                 hello: dict | None = None, give_up_after: float = GIVE_UP_AFTER, clock=time.monotonic,
+                 child_timeout: float = CHILD_TIMEOUT, max_per_host: int = MAX_PER_HOST):
         keep_frame_memory()
         self.ctx, self.router, self.manifest, self.store = ctx, router, manifest, store
         self.model_id = manifest.model_id
@@ -116,10 +118,13 @@ class Node:
                                      stripes=lambda: self.pull.stripes)
         self.announcer = Announcer(self.serve, clock)
         self.endpoint = None  # the tracker's member handlers: on the seeder only
+        # our secret, from the tracker, checks the tickets of peers attaching (None: admit anyone)
+        self.secret, self.admission = None, Admission(max_per_host, child_timeout)
         if tracker is not None:
             from .endpoint import TrackerEndpoint
 
             self.endpoint = TrackerEndpoint(tracker, manifest, clock)
+            self.endpoint.keyed, self.secret = key is not None, tracker.seal.secret(0)
         self.tracker, self.partners = tracker, Partners(self)
         self.conns: dict[bytes, Connection] = {}
         self.children: dict[bytes, Child] = {}
@@ -185,9 +190,9 @@ class Node:
 
     # ----- setup ---------------------------------------------------------
 
-    def attach_tracker(self, socket: zmq.Socket, addr: str, rank: int, probe=None) -> None:
-        """Adopt the (already welcomed) DEALER to the tracker; ``probe``: WELCOME's "uplink_probe"."""
-        self.tracker_addr, self.rank = addr, rank
+    def attach_tracker(self, socket: zmq.Socket, addr: str, rank: int, probe=None, secret=None) -> None:
+        """Adopt the (already welcomed) DEALER to the tracker, with WELCOME's "uplink_probe" and "secret"."""
+        self.tracker_addr, self.rank, self.secret = addr, rank, secret
         self.member = Membership(self, socket, addr, self.hello_fields, self.tracker_timeout, self.give_up_after,
                                  probe)
         self.poller.register(socket, zmq.POLLIN)
@@ -231,7 +236,9 @@ class Node:
                     for batch in protocol.batches(chunks):
                         send_nowait(link.socket, protocol.chunk_list(kind, batch))
         if self.fresh:
-            self._have(self.fresh)
+            everything = range(self.manifest.n_chunks) if self.store.complete else None
+            for ident, chunks in self.announcer.fresh(self.children, self.pull.links, self.fresh, everything):
+                self._announce(ident, chunks)
             self.fresh = []
         for ident, chunks in self.announcer.due():  # what partners not pulling from us hear late
             self._announce(ident, chunks)
@@ -247,20 +254,6 @@ class Node:
             if not self._send_chunk(ident, index):
                 self.serve.blocked(ident, index)
                 blocked.add(ident)
-
-    def _have(self, fresh: list[int]) -> None:
-        """Announce ``fresh`` chunks in HAVEs to our partners, at once or batched (``Announcer``), leaving
-        out, for a partner we pull from too, what it holds already (about a third of all HAVEs: it sent
-        us those).  Once we are complete it hears of every chunk, so it counts us complete."""
-        everything = range(self.manifest.n_chunks) if self.store.complete else None
-        for ident, child in list(self.children.items()):
-            holds = getattr(self.pull.links.get(child.rank), "holds", None)  # a partner we pull from too
-            if holds is None:
-                self._announce(ident, self.announcer.tell(ident, fresh))
-            elif everything is not None:
-                self._announce(ident, self.announcer.tell(ident, everything, everything=True))
-            else:
-                self._announce(ident, self.announcer.tell(ident, [i for i in fresh if not holds >> i & 1]))
 
     def _announce(self, ident: bytes, chunks) -> None:
         for batch in protocol.batches(chunks):
@@ -288,26 +281,29 @@ class Node:
     def _heartbeat(self, now: float) -> None:
         """Tell partners and members we live; report what we hold and measure to the tracker."""
         beat = protocol.control(Msg.HEARTBEAT)
-        for ident in list(self.children):
+        self._prune(now)
+        for ident in [*self.children, *(self.endpoint.members if self.endpoint is not None else ())]:
             self._send(ident, beat)
-        if self.endpoint is not None:
-            for ident in list(self.endpoint.members):
-                self._send(ident, beat)
+        self.partners.beat(beat)  # the partners we pull from keep us (``admission``)
         if self.member is not None:
             self.member.heartbeat()
-        if now >= self.next_prune:
-            self.next_prune = now + IDLE_FORGET / 2
-            self._prune(now)
 
     def _prune(self, now: float) -> None:
-        """Forget connections that are neither partner nor member and have been quiet a while,
-        so strangers opening connections cannot grow this node's memory without bound."""
-        members = self.endpoint.members if self.endpoint is not None else {}
-        for ident, last in list(self.seen.items()):
-            if now - last > IDLE_FORGET and ident not in self.children and ident not in members:
-                del self.seen[ident]
-                self.conns.pop(ident, None)
-                self.bad.pop(ident, None)
+        """Drop children silent for ``child_timeout``; every IDLE_FORGET / 2, forget connections that are
+        neither partner nor member and have been quiet a while (strangers cannot grow our memory)."""
+        for ident in self.admission.idle(self.children, self.seen, now):
+            log.warning("dropping child rank %d: silent for over %g s", self.children[ident].rank,
+                        self.admission.child_timeout)
+            self._send(ident, protocol.control(Msg.BYE, rank=self.rank))
+            self.forget(ident)
+        if now < self.next_prune:
+            return
+        self.next_prune, keep = now + IDLE_FORGET / 2, self.endpoint.members if self.endpoint is not None else {}
+        for ident in [i for i, last in self.seen.items() if now - last > IDLE_FORGET and i not in self.children
+                      and i not in keep]:
+            del self.seen[ident]
+            self.drop_conn(ident)
+            self.bad.pop(ident, None)
 
     # ----- sending -------------------------------------------------------
 
@@ -341,6 +337,11 @@ class Node:
             self.serve.sent(index)
             return True
         return ident not in self.children  # gone: nothing to retry
+
+    def drop_conn(self, ident: bytes) -> None:
+        """Keep no state for connection ``ident`` (it no longer counts against its address's cap)."""
+        self.conns.pop(ident, None)
+        self.admission.release(ident)
 
     def forget(self, ident: bytes) -> None:
         """Connection ``ident`` is gone or ignored: drop what it asked for; a member is gone."""

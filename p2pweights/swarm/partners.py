@@ -7,6 +7,9 @@ connection drops (its process died: the kernel closed its sockets) is given
 up at once (``dropped``, from a socket monitor on each link); ``watch`` gives
 up a partner gone silent, or a planned source that answers but sends nothing.
 A planned source given up is reported to the tracker, which names another.
+Each plan entry carries the ticket that admits us at that partner
+(``membership``); one refused as not placed there (a restarted tracker's
+partner) is dropped until the tracker's next plan, which carries a new one.
 """
 from __future__ import annotations
 
@@ -57,10 +60,16 @@ class Partners:
         self.node = node
         self.links: dict[int, PartnerLink] = {}
         self.plan: list[dict] = []  # {stripe, rank, addr} per stripe, as the tracker said
+        self.tickets: dict[int, str] = {}  # rank -> the ticket that admits us there (the tracker's plan entry's)
 
     def watch(self, now: float) -> None:
         for link in list(self.links.values()):
             self._watch(link, now)
+
+    def beat(self, frame: bytes) -> None:
+        """A heartbeat to every partner we pull from: we live (it drops a child silent too long)."""
+        for link in self.links.values():
+            send_nowait(link.socket, frame)
 
     def close_all(self) -> None:
         for rank in list(self.links):
@@ -76,6 +85,9 @@ class Partners:
         if stripes is not None and stripes != n.pull.stripes:
             n.pull.set_stripes(stripes)
         plan, want, told = [None] * n.pull.stripes, {}, []  # told: the entries taken, for what they say
+        for p in [*parents, *partners]:
+            if isinstance(p, dict) and isinstance(p.get("ticket"), str):
+                self.tickets[p.get("rank")] = p["ticket"]
         for p in parents:
             if not self._entry_ok(p, stripe=True):
                 continue
@@ -104,7 +116,8 @@ class Partners:
 
     def _entry_ok(self, p, stripe: bool = False) -> bool:
         n = self.node
-        ok = isinstance(p, dict) and isinstance(p.get("rank"), int) and isinstance(p.get("addr", ""), str) \
+        ok = isinstance(p, dict) and isinstance(p.get("rank"), int) \
+            and (p.get("addr", "") == "" or protocol.valid_addr(p.get("addr"))) \
             and (not stripe or (isinstance(p.get("stripe"), int) and 0 <= p["stripe"] < n.pull.stripes))
         if not ok:
             n.stats.malformed += 1
@@ -114,6 +127,9 @@ class Partners:
     def open(self, rank: int, addr: str) -> None:
         """Connect to partner ``rank`` at ``addr`` and ATTACH; nothing is asked of it before ATTACHED."""
         n = self.node
+        if not protocol.valid_addr(addr):  # plan entries are checked: never one a peer could make us dial
+            log.warning("partner rank %d at %r: not HOST:PORT, not connecting", rank, addr[:80])
+            return
         sock = n.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max(n.manifest.chunk_size, protocol.MAX_CONTROL_BODY) + 4096)
@@ -129,7 +145,8 @@ class Partners:
         n.poller.register(sock, zmq.POLLIN)
         if monitor is not None:
             n.poller.register(monitor, zmq.POLLIN)
-        send_nowait(sock, protocol.control(Msg.ATTACH, peer_id=n.peer_id, rank=n.rank, model_id=n.model_id))
+        send_nowait(sock, protocol.control(Msg.ATTACH, peer_id=n.peer_id, rank=n.rank, model_id=n.model_id,
+                                           ticket=self.tickets.get(rank)))
 
     def close(self, rank: int) -> None:
         """Close the link to ``rank``; its outstanding requests are free to ask elsewhere."""
@@ -146,6 +163,17 @@ class Partners:
             n.poller.unregister(link.socket)
             link.socket.close(0)
         n.pull.drop(rank)
+
+    def refused(self, rank: int) -> None:
+        """Partner ``rank`` does not admit us (our ticket is not one its tracker gave): drop the link until a
+        plan names it again; the seeder refusing means its tracker restarted, so introduce ourselves now."""
+        n = self.node
+        if rank == 0 and n.member is not None:
+            self.close(rank)
+            if n.clock() - n.member.hello_sent > 1.0:
+                n.member.reintroduce(n.clock())
+        else:
+            self.give_up(rank, "it does not admit us (not placed there)", level=logging.INFO)
 
     def dropped(self, link: PartnerLink) -> None:
         """``link``'s monitor has events: if its connection dropped, give the partner up now (its

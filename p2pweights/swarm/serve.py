@@ -219,6 +219,22 @@ class Announcer:
                 self.due_at = self.clock() + HAVE_DEFER
         return []
 
+    def fresh(self, children: dict, links: dict, fresh: list[int], everything=None) -> list[tuple[bytes, list]]:
+        """What each partner in ``children`` (ident -> ``Child``) hears now of ``fresh`` chunks we verified:
+        ``tell`` each, leaving out, for a partner we pull from too (``links``: rank -> ``pull`` link), what
+        it holds already (about a third of all HAVEs: it sent us those).  ``everything`` (every chunk, once
+        we hold them all): a partner we pull from hears of all, so it counts us complete."""
+        out = []
+        for ident, child in list(children.items()):
+            holds = getattr(links.get(child.rank), "holds", None)  # a partner we pull from too
+            if holds is None:
+                out.append((ident, self.tell(ident, fresh)))
+            elif everything is not None:
+                out.append((ident, self.tell(ident, everything, everything=True)))
+            else:
+                out.append((ident, self.tell(ident, [i for i in fresh if not holds >> i & 1])))
+        return out
+
     def due(self) -> list[tuple[bytes, list[int]]]:
         """The batches whose time has come, for the partners still attached: ``[(link, chunks), ...]``."""
         if self.due_at is None or self.clock() < self.due_at:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 from ..wire.protocol import YOUNG
+from .membership import Seal
 from .topology import live_parent
 
 ROOT = 0
@@ -302,7 +303,7 @@ class Tracker:
         self.max_peers = max_peers
         self.clock, self.last_join = clock, float("-inf")  # when a peer last (re-)joined: reviews come sooner
         self.members: dict[int, Member] = {}
-        self.by_peer_id: dict[str, int] = {}
+        self.seal = Seal()  # members' secrets and their tickets at each other
         self.placed = hasattr(topology, "place")  # a stateful plan (Forest), not a rule of the rank
         self.moved: list[int] = []  # ranks whose plan changed as a side effect, not yet announced
         self.pullers = Pullers()  # who pulls from whom, and whom a peer stopped pulling from
@@ -315,33 +316,37 @@ class Tracker:
     def listen_of(self, rank: int) -> str:
         return self.root_listen if rank == ROOT else self.members[rank].listen
 
-    def join(self, peer_id: str, listen: str, rank: int | None = None) -> Member:
-        """Place a joining peer.  The same peer_id re-joining keeps its rank; so does a peer that
-        re-introduces itself with its old ``rank`` to a restarted tracker, if nobody else holds it."""
-        known = self.by_peer_id.get(peer_id)
-        if known is not None:
-            m = self.members[known]
+    def join(self, peer_id: str, listen: str, rank: int | None = None, secret: str | None = None) -> Member:
+        """Place a joining peer.  One proving with ``secret`` (``membership.Seal``) that it is member
+        ``rank`` is that member again, at its new address; a peer re-introducing itself with its old
+        ``rank`` to a restarted tracker keeps it if nobody holds it; a peer id proves nothing."""
+        m = self.members.get(rank) if self.seal.proves(rank, secret) else None
+        if m is not None:
             was_left, m.listen = m.left, listen
             self.roster.arrive(m)
-            moves = self.topology.place(known) if self.placed and was_left else []
-            self.pullers.assign(m, self._place(known))
+            moves = self.topology.place(m.rank) if self.placed and was_left else []
+            self.pullers.assign(m, self._place(m.rank))
             self._note(moves)
             m.seen = self.last_join = self.clock()
             return m
         if len(self.roster.live) >= self.max_peers:
             raise TrackerError(f"tracker is full ({self.max_peers} peers)")
-        if rank is None or rank < 1 or rank in self.members:
+        if type(rank) is not int or rank < 1 or rank in self.members:
             rank = self.roster.top + 1
         self.last_join = now = self.clock()
         self.members[rank] = m = Member(rank, peer_id, listen, [], joined=now, seen=now)
         self.roster.arrive(m)
-        self.by_peer_id[peer_id] = rank
         moves = self.topology.place(rank) if self.placed else []
         self.pullers.assign(m, self._place(rank))
         self._note(moves)
         if self.placed:  # the swarm; a rule-based plan stays a pure tree, to compare against
             self.moved.extend(self.roster.partner(m))
         return m
+
+    def silent(self, timeout: float) -> list[int]:
+        """Live members not heard from for ``timeout`` seconds: each is to be dropped (``gone``)."""
+        since = self.clock() - timeout
+        return [r for r in self.roster.live if self.members[r].seen < since]
 
     def _note(self, moves) -> None:
         """Apply a plan's moves to the members' parent lists; remember whom to tell."""
@@ -388,15 +393,18 @@ class Tracker:
         return [live_parent(self.topology, rank, s, alive) for s in range(self.topology.stripes)]
 
     def parent_addrs(self, member: Member) -> list[dict]:
-        return [{"rank": p, "addr": self.listen_of(p), "stripe": s, **self._about(p)}
-                for s, p in enumerate(member.parents)
+        """Planned sources, each with the ``ticket`` that admits ``member`` there (so do partners')."""
+        return [{"rank": p, "addr": self.listen_of(p), "stripe": s, "ticket": self.seal.ticket(p, member.rank),
+                 **self._about(p)} for s, p in enumerate(member.parents)
                 if p is not None]  # None: no planned source there (every slot taken): partners share it
 
     def partner_addrs(self, member: Member) -> list[dict]:
         """Partners, each with ``downstream`` (Forest plans): how many peers its uplink feeds through
         its children, so help is asked first of partners whose uplink holds back nobody further."""
-        return [{"rank": p, "addr": self.listen_of(p), **self._about(p)} for p in member.partners
-                if p in self.members and not self.members[p].left] + self.loan.entries(member.rank, self.root_listen)
+        lent = self.loan.entries(member.rank, self.root_listen)
+        return [{"rank": p, "addr": self.listen_of(p), "ticket": self.seal.ticket(p, member.rank), **self._about(p)}
+                for p in member.partners if p in self.members and not self.members[p].left] + [
+            dict(e, ticket=self.seal.ticket(ROOT, member.rank)) for e in lent]
 
     def _about(self, rank: int) -> dict:
         """What a peer is told of a partner: ``downstream``, and ``slow`` once it is demoted (help
@@ -457,19 +465,9 @@ class Tracker:
                 continue
             for stripe, parent in enumerate(m.parents):
                 if parent == rank:
-                    self.pullers.move(m, stripe, self._ancestor(rank, stripe))
+                    self.pullers.move(m, stripe, live_parent(self.topology, rank, stripe, set(self.roster.live)))
                     moved.append((m.rank, stripe))
         return moved
-
-    def _ancestor(self, rank: int, stripe: int) -> int:
-        """The nearest live ancestor of ``rank`` in tree ``stripe``."""
-        alive = set(self.roster.live)
-        parent = rank
-        while parent != ROOT:
-            parent = self.topology.parents(parent)[stripe]
-            if parent == ROOT or parent in alive:
-                return parent
-        return ROOT
 
     def reparent(self, rank: int, stripe: int, parent: int, dead: bool) -> int:
         """``rank`` lost ``parent`` in ``stripe`` (dead, or sending bad chunks): its new parent there."""
@@ -480,7 +478,8 @@ class Tracker:
             if self.placed:
                 self._note([self.topology.move(rank, stripe, avoid=parent)])
             else:
-                self.pullers.move(m, stripe, self._ancestor(parent, stripe) if parent != ROOT else ROOT)
+                up = live_parent(self.topology, parent, stripe, set(self.roster.live)) if parent != ROOT else ROOT
+                self.pullers.move(m, stripe, up)
         return m.parents[stripe]
 
     def touch(self, rank: int, have: int | None = None, rates: dict | None = None,

@@ -24,10 +24,20 @@ DONE to the tracker and ask to LEAVE; the tracker lets a peer go once the
 peers that depend on it are done.  Anyone may ask the tracker for the fleet
 with STATUS on a fresh connection (no join); it answers STATUS_REPLY with its
 latest snapshot (any other node answers REDIRECT to the tracker).
+
+Trust.  Every field a message carries is checked here before any handler sees
+it (``FIELD_CHECKS``): each address (HELLO's listen, REDIRECT's and WELCOME's
+tracker, every plan entry's addr) must be ``HOST:PORT``, so no peer can make
+another connect to a malformed or non-TCP endpoint.  WELCOME hands the joiner a
+``secret``; a re-introduction to the same tracker proves itself with it (a peer
+id proves nothing), and it keys the ``ticket`` in each plan entry, which the
+joiner shows in ATTACH: a node serves only peers the tracker placed with it
+(``swarm.membership``).
 """
 from __future__ import annotations
 
 import json
+import re
 import struct
 from enum import IntEnum
 
@@ -44,6 +54,23 @@ YOUNG = 2.0  # seconds after a join in which the peer reports twice as often, an
 #              twice as often: a slow first joiner stops being a stripe's root at about 0.75 s, not 1.0
 
 
+MAX_SECRET = 64  # hex digits of a member's secret or a ticket
+HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]")  # a name, an IPv4 address, or an IPv6 one in brackets
+
+
+def valid_host(host: str) -> bool:
+    """Whether ``host`` can be a host name or address (a name is not looked up)."""
+    return HOST.fullmatch(host) is not None
+
+
+def valid_addr(addr) -> bool:
+    """Whether ``addr`` is 'HOST:PORT' (PORT in 1-65535): the only form an address in a message may take."""
+    if not isinstance(addr, str) or len(addr) > MAX_NAME:
+        return False
+    host, _, port = addr.rpartition(":")
+    return valid_host(host) and port.isascii() and port.isdigit() and 0 < int(port) < 65536
+
+
 class ProtocolError(ValueError):
     """A message that breaks the protocol; the message names what and where."""
 
@@ -53,11 +80,11 @@ class VersionMismatch(ProtocolError):
 
 
 class Msg(IntEnum):
-    HELLO = 1       # joiner -> any node: {peer_id, listen, model_id?, have?}
-    WELCOME = 2     # tracker -> joiner: {rank, parents, stripes, tracker, partners?} + manifest frame
+    HELLO = 1       # joiner -> any node: {peer_id, listen, model_id?, have?, rank?, secret?}
+    WELCOME = 2     # tracker -> joiner: {rank, parents, stripes, tracker, secret?, partners?} + manifest frame
     REDIRECT = 3    # node -> joiner: {tracker}
     ERROR = 4       # any -> any: {message, fatal}
-    ATTACH = 5      # peer -> partner: {peer_id, rank, model_id}
+    ATTACH = 5      # peer -> partner: {peer_id, rank, model_id, ticket?} (ticket: its plan entry's)
     ATTACHED = 6    # partner -> peer: {n_chunks} + bitfield frame of what it holds
     REQUEST = 7     # peer -> partner: u32 indices
     CHUNK = 8       # partner -> peer: u32 index + payload frame
@@ -96,6 +123,46 @@ SCHEMA: dict[Msg, dict[str, type | tuple]] = {
     Msg.STATUS: {},
     Msg.STATUS_REPLY: {"peers": int, "shown": int},
     Msg.PROBE: {"rate": (int, float), "took": (int, float)},
+}
+
+
+def _names(f: dict, *keys) -> None:
+    for key in keys:
+        v = f.get(key)
+        if v is not None and (not isinstance(v, str) or len(v) > (MAX_SECRET if key in ("secret", "ticket")
+                                                                  else MAX_NAME)):
+            raise ProtocolError(f"{key!r} is not a string or is longer than {MAX_NAME} characters")
+
+
+def _addr(what: str, addr, empty: bool = True) -> None:
+    if not (empty and addr == "") and not valid_addr(addr):
+        raise ProtocolError(f"{what} {str(addr)[:80]!r} is not HOST:PORT")
+
+
+def _hello(f: dict) -> None:
+    _names(f, "peer_id", "model_id", "secret")
+    _addr("listen address", f["listen"], empty=False)
+
+
+def _plan(f: dict) -> None:
+    """WELCOME's and REPARENT's entries: each address HOST:PORT, or empty (the tracker's, as dialled)."""
+    _addr("tracker address", f.get("tracker", ""))
+    _names(f, "secret")
+    for key in ("parents", "partners"):
+        for p in f.get(key) or ():
+            if isinstance(p, dict):
+                _addr(f"{key} address", p.get("addr", ""))
+                _names(p, "ticket")
+
+
+# Field checks beyond the types (SCHEMA), by message: names bounded, addresses HOST:PORT.
+FIELD_CHECKS = {
+    Msg.HELLO: _hello,
+    Msg.ATTACH: lambda f: _names(f, "peer_id", "model_id", "ticket"),
+    Msg.REDIRECT: lambda f: _addr("redirect target", f["tracker"]),
+    Msg.WELCOME: _plan,
+    Msg.REPARENT: _plan,
+    Msg.ORPHAN: lambda f: _names(f, "reason"),
 }
 # ATTACHED: the bitfield (packbits)
 PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1, Msg.ATTACHED: 1, Msg.STATUS_REPLY: 1}
@@ -193,6 +260,12 @@ def decode_header(frame: bytes) -> Event:
         if not isinstance(fields.get(name), typ) or isinstance(fields.get(name), bool):
             kinds = typ if isinstance(typ, tuple) else (typ,)
             raise ProtocolError(f"{kind.name} lacks field {name!r} of type {' or '.join(t.__name__ for t in kinds)}")
+    check = FIELD_CHECKS.get(kind)
+    if check is not None:
+        try:
+            check(fields)
+        except ProtocolError as e:
+            raise ProtocolError(f"{kind.name}: {e}") from None
     return Event(kind, fields=fields)
 
 
