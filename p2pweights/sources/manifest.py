@@ -159,8 +159,8 @@ class Manifest:
             digest = sha256(payload).hexdigest()
             if not digest.startswith(expect_id.lower()):
                 raise ManifestError(f"model id mismatch: wanted {expect_id}, the seeder serves {digest}")
-        m = cls.from_json(payload)
-        if digest is not None and m.model_id != digest:
+        m, model_id = cls._parse(payload)
+        if digest is not None and model_id != digest:
             raise ManifestError("manifest bytes are not in canonical form: their hash is not the model id they "
                                 "describe")
         return m
@@ -169,6 +169,14 @@ class Manifest:
     def from_json(cls, text: str | bytes, expect_id: str | None = None) -> "Manifest":
         """Parse and check a manifest (``validate``: every field); ManifestError if it is too large, malformed,
         fails its own hash, or is not ``expect_id``."""
+        m, model_id = cls._parse(text)
+        if expect_id is not None and not model_id.startswith(expect_id.lower()):
+            raise ManifestError(f"model id mismatch: wanted {expect_id}, the seeder serves {model_id}")
+        return m
+
+    @classmethod
+    def _parse(cls, text: str | bytes) -> tuple["Manifest", str]:
+        """The checked manifest in ``text`` and its model id (hashed once: a 1 TB model's takes 0.5 s)."""
         if len(text) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"manifest of {len(text)} bytes exceeds the {MAX_MANIFEST_BYTES >> 20} MiB limit")
         try:
@@ -180,13 +188,11 @@ class Manifest:
         m = cls(total_size=doc["total_size"], chunk_size=doc["chunk_size"], chunks=doc["chunks"],
                 files=doc.get("files", []), tensors=doc.get("tensors", []), hash=doc.get("hash", "xxh3_64"),
                 version=doc["version"], origin=doc.get("origin"))
-        claimed = doc.get("model_id")
-        if claimed is not None and claimed != m.model_id:
+        model_id, claimed = m.model_id, doc.get("model_id")
+        if claimed is not None and claimed != model_id:
             raise ManifestError(f"manifest fails its own hash: claims model id {str(claimed)[:16]}..., content "
-                                f"hashes to {m.model_id[:16]}...")
-        if expect_id is not None and not m.model_id.startswith(expect_id.lower()):
-            raise ManifestError(f"model id mismatch: wanted {expect_id}, the seeder serves {m.model_id}")
-        return m
+                                f"hashes to {model_id[:16]}...")
+        return m, model_id
 
 
 def _counted(limit: int):
