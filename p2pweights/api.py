@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 
 import zmq
@@ -21,9 +20,10 @@ from .errors import P2PError
 from .storage.cache import STATE_DIR, DiskCache, copy_paths, marker_matches, remove_tree
 from .storage.modelcache import CacheTooSmall, ModelCache, describe_failure
 from .sources.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
+from .swarm.admission import CHILD_TIMEOUT, MAX_PER_HOST, MEMBER_TIMEOUT
 from .swarm.member import WAIT_REPORT
 from .swarm.node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
-from .wire.protocol import Msg, ProtocolError
+from .wire.protocol import Msg, ProtocolError, valid_host
 from .storage.ring import ChunkRing
 from .storage.store import SourceStore, SpaceError, Store, StoreClosed, blob_backing
 from .sources.formats import checkpoint_files, scan as scan_checkpoint
@@ -44,14 +44,6 @@ def repeating(message: str, cause: str) -> P2PError:
     e = P2PError(message)
     e.cause = cause
     return e
-
-
-HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]")  # a name, an IPv4 address, or an IPv6 one in brackets
-
-
-def valid_host(host: str) -> bool:
-    """Whether ``host`` can be a host name or address (a name is not looked up)."""
-    return HOST.fullmatch(host) is not None
 
 
 def parse_addr(addr: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
@@ -96,7 +88,8 @@ class Seeder:
                  advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
                  max_peers: int = 10_000, manifest: str | None = None, exclude=(),
                  s3_concurrency: int = 16, s3_range_size: int = 8 << 20, cache: ModelCache | None = None,
-                 probe_port: int = 0):
+                 probe_port: int = 0, member_timeout: float = MEMBER_TIMEOUT, child_timeout: float = CHILD_TIMEOUT,
+                 max_per_host: int = MAX_PER_HOST):
         from .sources.chunker import build  # the seeder's parts: a join never imports them (start-up is on the clock)
         from .swarm.topology import make as make_topology
         from .swarm.tracker import Tracker
@@ -152,9 +145,11 @@ class Seeder:
         cache = cache if cache is not None else ModelCache()
         self.lock = None if self.s3 is not None else cache.hold_if_known(path)
         router = self._listen(host, port, probe_port, key)
+        advertise = advertise and "%s:%d" % parse_addr(advertise, self.port)  # WELCOME's tracker: HOST:PORT
         self.tracker = Tracker(self.topology, advertise or "", max_peers=max_peers)
         self.node = Node(self.ctx, router, self.manifest, self.store, peer_id="seeder", tracker=self.tracker,
-                         window=window, key=key)
+                         window=window, key=key, child_timeout=child_timeout, max_per_host=max_per_host)
+        self.node.endpoint.member_timeout = member_timeout
         if self.probe_sink is not None:  # WELCOME asks joiners to time their uplinks against it
             self.node.endpoint.probe_port = self.probe_sink.port
         if self.source is not None:
@@ -573,7 +568,7 @@ def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, st
     recovered = cache.recover(store) if cache is not None else []
     for index in recovered:  # chunks an earlier run left on disk: verified again, never fetched again
         node.pull.verified(index)
-    node.attach_tracker(link, tracker_addr, welcome["rank"], welcome.get("uplink_probe"))
+    node.attach_tracker(link, tracker_addr, welcome["rank"], welcome.get("uplink_probe"), welcome.get("secret"))
     partners = welcome.get("partners") if isinstance(welcome.get("partners"), list) else []
     node.partners.set_plan(welcome["parents"], partners, welcome["stripes"])
     if cache is not None:
@@ -604,7 +599,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
          key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT,
          give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None,
          cache: ModelCache | None = None, hf_cache: str | None = None, retry_now: bool = False,
-         trace: bool = False) -> Download:
+         trace: bool = False, **limits) -> Download:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.  ``out``: write the
@@ -622,7 +617,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     copy goes to (or is found complete in) the cache, which evicts first under its size and
     remembers repeating failures (``retry_now`` ignores them).  ``hf_cache`` (a hub cache
     directory): the copy in the Hugging Face layout there (``hfcache``).  ``trace``: keep when and
-    from whom each chunk verified (``Download.arrivals``).
+    from whom each chunk verified (``Download.arrivals``).  ``limits``: ``swarm.admission``'s.
     """
     started = time.monotonic()
     where = _destination(out, cache, hf_cache)
@@ -652,7 +647,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         raise
     cache, model_cache = disk, cache
     node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window,
-                key=key, parent_timeout=parent_timeout, hello=hello, give_up_after=give_up_after)
+                key=key, parent_timeout=parent_timeout, hello=hello, give_up_after=give_up_after, **limits)
     node.stats.arrivals = [] if trace else None
     try:
         loader = _wire(node, store, cache, link, tracker_addr, welcome, device, started, target)

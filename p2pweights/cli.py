@@ -17,6 +17,7 @@ import threading
 import time
 
 from .errors import UserError
+from .swarm.admission import CHILD_TIMEOUT, MAX_PER_HOST, MEMBER_TIMEOUT
 from .swarm.pull import DEFAULT_WINDOW
 
 log = logging.getLogger("p2pw")
@@ -152,7 +153,8 @@ def cmd_seed(args) -> int:
     s = seed(args.path, port=args.port, host=args.host, chunk_size=args.chunk_size, topology=args.topology,
              advertise=args.advertise, window=args.window, hash=args.hash, key=key, max_peers=args.max_peers,
              manifest=args.manifest, exclude=args.exclude, s3_concurrency=args.s3_concurrency,
-             s3_range_size=args.s3_range_size, probe_port=args.probe_port)
+             s3_range_size=args.s3_range_size, probe_port=args.probe_port, member_timeout=args.member_timeout,
+             **limits(args))
     bind(http, s)
     m = s.manifest
     if m.origin:
@@ -287,7 +289,8 @@ def cmd_join(args) -> int:
               model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device,
               parent_timeout=args.parent_timeout, give_up_after=args.give_up_after, verify=args.verify,
               memory_budget=args.memory_budget, key=load_key(args.key), cache=cache, hf_cache=hf,
-              retry_now=args.retry_now, trace=args.trace)
+              retry_now=args.retry_now, trace=args.trace,
+              **limits(args))
     bind(http, dl)
     bar = None if args.quiet else Progress(dl, every=args.progress_every)
     try:
@@ -486,6 +489,19 @@ def s3_flags(p) -> None:
                    help="s3:// sources: bytes per ranged GET (default 8MiB)")
 
 
+def limit_flags(p) -> None:
+    """What one host may hold at a serving node (``swarm.admission``)."""
+    p.add_argument("--child-timeout", type=seconds, default=CHILD_TIMEOUT, metavar="S",
+                   help=f"drop a peer pulling from this one that is silent for S seconds (default {CHILD_TIMEOUT:g}; "
+                        "peers heartbeat every link)")
+    p.add_argument("--max-conns-per-host", type=positive, default=MAX_PER_HOST, metavar="N",
+                   help=f"connections one address may hold with this node (default {MAX_PER_HOST})")
+
+
+def limits(args) -> dict:
+    return {"child_timeout": args.child_timeout, "max_per_host": args.max_conns_per_host}
+
+
 def _seed_parser(sub) -> None:
     """``p2pw seed``'s arguments."""
     from .sources.manifest import HASH_NAMES
@@ -520,6 +536,10 @@ def _seed_parser(sub) -> None:
                    help="chunk hash: xxh3_64 (default, fast, catches corruption) or a cryptographic one "
                         "(sha256, blake2b, blake3) that also stops a peer forging chunks")
     s.add_argument("--max-peers", type=positive, default=10_000, help="refuse joiners beyond this many peers")
+    s.add_argument("--member-timeout", type=seconds, default=MEMBER_TIMEOUT, metavar="S",
+                   help=f"drop a member not heard from for S seconds (default {MEMBER_TIMEOUT:g}; members report "
+                        "every 0.5 s)")
+    limit_flags(s)
     s3_flags(s)
     s.add_argument("--progress-every", type=seconds, default=10.0, metavar="S",
                    help="seconds between lines about the fleet (peers, done, the slowest) while peers download")
@@ -567,6 +587,7 @@ def _join_parser(sub) -> None:
                    help="without --out, a blob larger than this is kept in a temporary file, not memory "
                         "(default: half the memory available)")
     j.add_argument("--report", type=output_path, help="write a JSON summary to this file")
+    limit_flags(j)
     j.add_argument("--trace", action="store_true",
                    help="add each verified chunk to the --report as [seconds since join, chunk, from rank, "
                         "planned rank] (what a slow broadcast waited on: bench/trace.py reads them)")
