@@ -18,6 +18,7 @@ from .storage import catalog, hfcache
 from .wire import keys, protocol
 from .errors import P2PError
 from .storage.cache import STATE_DIR, DiskCache, copy_paths, marker_matches, remove_tree
+from .storage.localcopy import Attached, WriterGone, attach, claim as claim_copy  # noqa: F401 (attach, WriterGone: the API)
 from .storage.modelcache import CacheTooSmall, ModelCache, describe_failure
 from .sources.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
 from .swarm.admission import CHILD_TIMEOUT, MAX_PER_HOST, MEMBER_TIMEOUT
@@ -599,7 +600,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
          key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT,
          give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None,
          cache: ModelCache | None = None, hf_cache: str | None = None, retry_now: bool = False,
-         trace: bool = False, **limits) -> Download:
+         trace: bool = False, **limits) -> Download | Attached:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.  ``out``: write the
@@ -618,12 +619,18 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     remembers repeating failures (``retry_now`` ignores them).  ``hf_cache`` (a hub cache
     directory): the copy in the Hugging Face layout there (``hfcache``).  ``trace``: keep when and
     from whom each chunk verified (``Download.arrivals``).  ``limits``: ``swarm.admission``'s.
+
+    One download per folder on a host: while another local process writes ``out`` (``localcopy``),
+    this returns an ``Attached`` that reads that copy's files as they are verified, fetching nothing.
     """
     started = time.monotonic()
     where = _destination(out, cache, hf_cache)
     if model_id is not None and cache is not None and not retry_now:
         _refuse_remembered(cache, model_id, where)
     model_id, p_host, parent = _checked(model_id, device, parent, advertise)
+    held = claim_copy(out, model_id) if out is not None else None  # the folder's writer, reader or neither
+    if held is not None and held.mode == "attach":
+        return Attached(out, model_id, device)
     ctx = zmq.Context()
     gate = keys.gate(ctx, key)
     try:
@@ -631,6 +638,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     except P2PError:
         gate and gate.stop()
         ctx.term()
+        held and held.release()
         raise
     me = advertise or local_ip_towards(p_host)
     peer_id = peer_id or f"{os.uname().nodename}-{os.urandom(4).hex()}"
@@ -639,11 +647,12 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         link, tracker_addr, welcome, manifest = _handshake_remembered(ctx, parent, hello, model_id,
                                                                       connect_timeout, key, cache, retry_now, where)
         disk, store, lock, target, layout = _open_copy(manifest, out, cache, hf_cache, verify, memory_budget,
-                                                       where, ring=device is None)
+                                                       where, ring=device is None, held=held)
     except Exception:
         router.close(0)
         gate and gate.stop()
         ctx.destroy(0)
+        held and held.release()
         raise
     cache, model_cache = disk, cache
     node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window,
@@ -718,8 +727,11 @@ def _refuse_remembered(cache: ModelCache, wanted: str, where: str) -> None:
         raise P2PError(describe_failure(rec, cache.failures))
 
 
-def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, ring: bool):
+def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, ring: bool, held=None):
     """The copy this join writes: ``(DiskCache or None, Store, CopyLock or None, directory, layout)``.
+
+    ``held``: the ``localcopy.CopyClaim`` on ``out``, which becomes the copy's lock and publishes each verified
+    chunk to local readers.
 
     ``ring``: files on disk are received, written and served through a ``ring.ChunkRing`` where they can be
     written around the page cache (not for a device sink, which reads the store later, on its own thread).
@@ -728,14 +740,14 @@ def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, rin
     the cache told of it.  Nothing is left behind on failure; not enough disk is remembered."""
     target, names, layout = _place(manifest, out, cache, hf_cache)
     fresh = target is not None and not os.path.exists(target)
-    disk = lock = None
+    disk, lock = None, held
     try:
         if target is not None and cache is not None:
             if layout == "files" and out is None:  # the cache's own folder: make room under its size first
                 for e in cache.make_room(sum(f["size"] for f in manifest.files), manifest.model_id):
                     log.warning("evicted model %s (%s, %d bytes) from the cache to make room",
                                 e.model_id[:16], e.name or e.path, e.bytes)
-            lock = cache.hold(target, write=True, complete=lambda: marker_matches(
+            lock = held or cache.hold(target, write=True, complete=lambda: marker_matches(
                 manifest, target, copy_paths(manifest, target, names)))
             cache.remember(manifest, target, layout)
         # with out, the destination files are the store (mapped); else memory, or a temp file over the budget
@@ -743,6 +755,8 @@ def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, rin
         store = (Store(manifest, disk.filemap.buffer, files=disk,
                        ring=ChunkRing(manifest.chunk_size) if disk.direct else None) if disk is not None
                  else Store(manifest, blob_backing(manifest.total_size, memory_budget)))
+        if held is not None:
+            store.sinks.append(held.publish(manifest))
     except Exception as e:
         disk and disk.close()
         lock and lock.release()

@@ -285,12 +285,18 @@ def cmd_join(args) -> int:
                                      "resumed": m.n_chunks, "local": True})
             return 0
     http = start_ops(args, starting="connecting")
-    dl = join(args.parent, out=args.out, port=args.port, host=args.host, advertise=args.advertise,
-              model_id=args.model_id, window=args.window, connect_timeout=args.connect_timeout, device=args.device,
-              parent_timeout=args.parent_timeout, give_up_after=args.give_up_after, verify=args.verify,
-              memory_budget=args.memory_budget, key=load_key(args.key), cache=cache, hf_cache=hf,
-              retry_now=args.retry_now, trace=args.trace,
-              **limits(args))
+    start = lambda: join(args.parent, out=args.out, port=args.port, host=args.host,  # noqa: E731
+                         advertise=args.advertise, model_id=args.model_id, window=args.window,
+                         connect_timeout=args.connect_timeout, device=args.device, parent_timeout=args.parent_timeout,
+                         give_up_after=args.give_up_after, verify=args.verify, memory_budget=args.memory_budget,
+                         key=load_key(args.key), cache=cache, hf_cache=hf, retry_now=args.retry_now, trace=args.trace,
+                         **limits(args))
+    dl = start()
+    if getattr(dl, "attached", False):  # another process on this host is writing --out: follow it
+        follow_local(dl, args)
+        if not args.stay:
+            return 0
+        dl = start()  # complete now: serve it
     bind(http, dl)
     bar = None if args.quiet else Progress(dl, every=args.progress_every)
     try:
@@ -339,6 +345,22 @@ def cmd_join(args) -> int:
     else:
         dl.close(linger=True)
     return 0
+
+
+def follow_local(dl, args) -> None:
+    """Wait for the copy another local process writes into --out (``localcopy.Attached``): one download per host."""
+    say("attached", f"p2pw: another process on this host is downloading model {dl.model_id[:16]} into {dl.path}: "
+        "following its progress, fetching nothing", model_id=dl.model_id, path=dl.path)
+    try:
+        dl.wait()
+    finally:
+        dl.close()
+    secs = time.monotonic() - dl.started
+    say("done", f"p2pw: model {dl.model_id[:16]} complete in {dl.path}, written by the other process: fetched "
+        f"nothing in {secs:.2f} s", model_id=dl.model_id, path=dl.path, seconds=round(secs, 3))
+    tell_path(dl.path)
+    write_json(args.report, {"model_id": dl.model_id, "path": dl.path, "bytes": dl.manifest.total_size,
+                             "received": 0, "seconds": secs, "local": True, "attached": True})
 
 
 def cmd_status(args) -> int:
