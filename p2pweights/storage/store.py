@@ -171,9 +171,16 @@ def _cgroup_limits():
 
 def memory_budget() -> int:
     """Default largest blob kept in anonymous memory: half the memory available now (``P2PW_MEMORY_BUDGET``
-    overrides, in bytes)."""
+    overrides: a size such as 8GiB, 512M or bytes; UserError if it is not one)."""
     env = os.environ.get("P2PW_MEMORY_BUDGET")
-    return int(env) if env else available_memory() // 2
+    if not env:
+        return available_memory() // 2
+    from .modelcache import parse_size  # the one size syntax of --memory-budget and P2PW_CACHE_SIZE
+
+    try:
+        return parse_size(env)
+    except UserError as e:
+        raise UserError(f"P2PW_MEMORY_BUDGET={env!r}: {e}") from None
 
 
 def blob_backing(size: int, budget: int | None = None):
