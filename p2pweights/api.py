@@ -497,8 +497,10 @@ def _handshake(ctx, addr: str, hello: dict, model_id: str | None, timeout: float
                 addr = event.fields["tracker"] or addr
                 continue
             return sock, addr, event.fields, _welcome_manifest(event, addr, model_id)
-        except BaseException:
+        except BaseException as e:
             sock.close(0)
+            if isinstance(e, P2PError):
+                e.answered_by = addr  # the node whose answer ended the join: a refusal is remembered for it
             raise
     raise P2PError(f"too many redirects joining through {addr}")
 
@@ -694,12 +696,15 @@ def _checked(model_id, device, parent: str, advertise):
 
 def _handshake_remembered(ctx, parent, hello, model_id, timeout, key, cache, retry_now, where):
     """``_handshake``, with the model cache's failure memory: an id the seeder refuses is remembered, and a
-    model that failed lately (for a repeating cause) is refused here unless ``retry_now``."""
+    model that failed lately (for a repeating cause) is refused here unless ``retry_now``.  A refusal is
+    remembered for the node that answered it (``FailureMemory.refused``)."""
+    if model_id is not None and cache is not None and not retry_now:
+        _refuse_remembered(cache, model_id, where, tracker=parent)
     try:
         link, tracker_addr, welcome, manifest = _handshake(ctx, parent, hello, model_id, timeout, key)
     except P2PError as e:
         if "model id mismatch" in str(e) and model_id is not None and cache is not None:
-            cache.failed.remember(model_id, "refused", str(e))
+            cache.failed.refused(model_id, str(e), getattr(e, "answered_by", parent), keyed=key is not None)
         raise
     if cache is not None and not retry_now:
         try:
@@ -719,10 +724,10 @@ def _destination(out, cache, hf_cache) -> str:
     return cache.models if cache is not None else "memory"
 
 
-def _refuse_remembered(cache: ModelCache, wanted: str, where: str) -> None:
-    """P2PError with the remembered reason if a join of ``wanted`` into ``where`` failed lately for a
-    repeating cause."""
-    rec = cache.failed.blocking(wanted, where)
+def _refuse_remembered(cache: ModelCache, wanted: str, where: str, tracker: str | None = None) -> None:
+    """P2PError with the remembered reason if a join of ``wanted`` into ``where`` (through ``tracker``) failed
+    lately for a repeating cause."""
+    rec = cache.failed.blocking(wanted, where, tracker)
     if rec is not None:
         raise P2PError(describe_failure(rec, cache.failures))
 

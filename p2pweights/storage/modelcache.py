@@ -521,8 +521,8 @@ class FailureMemory:
     def __init__(self, dir: str, policy: FailurePolicy):
         self.dir, self.policy = dir, policy
 
-    def _failure_path(self, key: str, where: str | None) -> str:
-        name = sha256(f"{key}\0{where or ''}".encode()).hexdigest()[:32]
+    def _failure_path(self, key: str, where: str | None, tracker: str | None = None) -> str:
+        name = sha256((f"{key}\0{where or ''}" + (f"\0{tracker}" if tracker else "")).encode()).hexdigest()[:32]
         return os.path.join(self.dir, name + ".json")
 
     def records(self):
@@ -542,32 +542,41 @@ class FailureMemory:
             except (OSError, ValueError, KeyError, TypeError):
                 continue
 
-    def blocking(self, wanted: str, where: str | None = None) -> dict | None:
+    def blocking(self, wanted: str, where: str | None = None, tracker: str | None = None) -> dict | None:
         """The remembered failure, still within its backoff, of a model ``wanted`` names (an id or a prefix; a
         record made for a prefix matches ids extending it), or None.  A failure tied to a destination (not
-        enough disk there) only blocks joins into that destination."""
+        enough disk there) only blocks joins into that destination; one tied to a tracker (its refusal) only
+        joins through that tracker."""
         wanted = wanted.lower()
         for key, rec in self.records():
             if ((key.startswith(wanted) or wanted.startswith(key)) and rec.get("where") in (None, where)
-                    and self.policy.blocks(rec)):
+                    and rec.get("tracker") in (None, tracker) and self.policy.blocks(rec)):
                 return rec
         return None
 
-    def remember(self, key: str, cause: str, reason: str, where: str | None = None) -> dict:
+    def remember(self, key: str, cause: str, reason: str, where: str | None = None,
+                 tracker: str | None = None) -> dict:
         """Remember that a join of ``key`` (a model id, or the id a join pinned) failed for ``cause``
-        (``where``: the destination it is tied to, if any)."""
+        (``where``: the destination it is tied to, ``tracker``: the node whose answer it was, if any)."""
         if cause not in CAUSES:
             raise KeyError(f"unknown failure cause {cause!r}")
         os.makedirs(self.dir, exist_ok=True)
-        path = self._failure_path(key.lower(), where)
+        path = self._failure_path(key.lower(), where, tracker)
         try:
             with open(path) as f:
                 previous = json.load(f)
         except (OSError, ValueError):
             previous = None
-        rec = dict(self.policy.failed(previous, cause, reason), key=key.lower(), where=where)
+        rec = dict(self.policy.failed(previous, cause, reason), key=key.lower(), where=where,
+                   **({"tracker": tracker} if tracker else {}))
         write_atomically(path, rec, durable=False)
         return rec
+
+    def refused(self, key: str, reason: str, tracker: str, keyed: bool) -> dict:
+        """Remember that ``tracker`` refused the pinned ``key`` ("model id mismatch").  Without a fleet key
+        anyone can answer so, so the refusal speaks for that tracker only (a stranger's blocks only joins
+        through the stranger); a keyed fleet's answer is authenticated and blocks every join of ``key``."""
+        return self.remember(key, "refused", reason, tracker=None if keyed else tracker)
 
     def clear(self, key: str) -> None:
         """Forget every failure remembered for ``key`` (a join of it succeeded, or it was removed)."""
@@ -575,7 +584,7 @@ class FailureMemory:
         for k, rec in list(self.records()):
             if k.startswith(key) or key.startswith(k):
                 try:
-                    os.remove(self._failure_path(k, rec.get("where")))
+                    os.remove(self._failure_path(k, rec.get("where"), rec.get("tracker")))
                 except FileNotFoundError:
                     pass
 
