@@ -99,3 +99,14 @@ def test_a_post_after_stop_opens_no_socket_so_the_context_can_end():
     ended.start()
     ended.join(10)
     assert not ended.is_alive()
+
+
+def test_a_child_silent_past_its_timeout_is_dropped_and_frees_its_slot(node):
+    from p2pweights.swarm.admission import CHILD_TIMEOUT
+
+    for ident, heard in ((b"idle", 0.0), (b"live", CHILD_TIMEOUT)):
+        node.seen[ident] = heard
+        node.children[ident] = Child("c", 1)
+        node.serve.attach(ident)
+    node._prune(CHILD_TIMEOUT + 1)  # peers heartbeat every link: one silent this long is gone or hostile
+    assert set(node.children) == {b"live"} and not node.serve.attached(b"idle")
