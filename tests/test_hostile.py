@@ -141,14 +141,25 @@ def test_connections_per_address_are_capped(procs, tmp_path, model):
     seeder, info = procs.seeder(model, "--chunk-size", CHUNK, "--max-conns-per-host", 3)
     strangers = [Stranger(info["port"]) for _ in range(4)]
     try:
-        for s in strangers[:3]:
-            s.send(Msg.STATUS)
-            assert s.answer().type == Msg.STATUS_REPLY
-        e = strangers[3].ask(Msg.STATUS)
+        for i, s in enumerate(strangers[:3]):  # members: each holds state at the seeder
+            assert s.ask(Msg.HELLO, peer_id=f"s{i}", listen="127.0.0.1:9").type == Msg.WELCOME
+        e = strangers[3].ask(Msg.HELLO, peer_id="s3", listen="127.0.0.1:9")
         assert e.type == Msg.ERROR and "too many connections from 127.0.0.1" in e.fields["message"]
+
     finally:
         for s in strangers:
             s.close()
+    assert seeder.popen.poll() is None
+
+
+def test_an_answered_status_holds_no_place_under_the_cap(procs, tmp_path, model):
+    seeder, info = procs.seeder(model, "--chunk-size", CHUNK, "--max-conns-per-host", 2)
+    for _ in range(10):  # a monitor asking again and again from one host locks nobody out
+        asker = Stranger(info["port"])
+        try:
+            assert asker.ask(Msg.STATUS).type == Msg.STATUS_REPLY
+        finally:
+            asker.close()
     assert seeder.popen.poll() is None
 
 

@@ -210,7 +210,7 @@ class TrackerEndpoint:
         have = f.get("have") if type(f.get("have")) is int and 0 <= f["have"] <= self.manifest.n_chunks else None
         self.tracker.touch(rank, have=have, rates=rates, delivered=got)
 
-    def status(self, ident: bytes, f: dict) -> None:
+    def status(self, ident: bytes, f: dict) -> bool:
         """Anyone (no join needed) asks for the fleet: at most fleet.MAX_LISTED peers of a snapshot taken
         now where something changed since the last (unless snapshots would take over ``SNAPSHOT_SHARE``
         of the loop), else the latest: a peer that just exited is shown as it left."""
@@ -221,6 +221,7 @@ class TrackerEndpoint:
             self.fleet_frame = self.fleet.encode(ids=self.keyed)
         self._send(ident, protocol.control(Msg.STATUS_REPLY, peers=len(self.fleet.peers),
                                            shown=min(len(self.fleet.peers), fleet.MAX_LISTED)), self.fleet_frame)
+        return False  # answered: the asker holds no state here (nor a place under its address's cap)
 
     def publish(self, now: float) -> fleet.Fleet | None:
         """Take a new fleet snapshot if one is due (a change, or SNAPSHOT_INTERVAL); the loop's thread only."""

@@ -282,8 +282,8 @@ class Handlers:
         elif kind == Msg.CANCEL:
             n.serve.cancel(ident, event.indices)
         elif kind in (Msg.HELLO, Msg.STATUS) and n.endpoint is None:
-            n.conns[ident].state = "new"
             n._send(ident, protocol.control(Msg.REDIRECT, tracker=n.tracker_addr))
+            n.drop_conn(ident)  # sent on: it holds no state here (nor a place under its address's cap)
         elif n.endpoint is not None and kind in n.endpoint.HANDLERS:
             if n.endpoint.HANDLERS[kind](n.endpoint, ident, event.fields) is False:
                 n.drop_conn(ident)
