@@ -11,21 +11,13 @@ import json
 import random
 from pathlib import Path
 
+from test_pull import CHUNK, Clock
+
 from p2pweights.swarm.pull import PullScheduler
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "pull_decisions.json"
 SCENARIOS = 160
 STEPS = 140
-CHUNK = 1 << 20
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
 
 def _fmt(pairs) -> str:
     """``[(rank, [chunk, ...]), ...]`` as ``'1:0,1 2:5'``."""
