@@ -90,11 +90,11 @@ class Seeder:
                  max_peers: int = 10_000, manifest: str | None = None, exclude=(),
                  s3_concurrency: int = 16, s3_range_size: int = 8 << 20, cache: ModelCache | None = None,
                  probe_port: int = 0, member_timeout: float = MEMBER_TIMEOUT, child_timeout: float = CHILD_TIMEOUT,
-                 max_per_host: int = MAX_PER_HOST):
+                 max_per_host: int = MAX_PER_HOST, tracker: str | None = None):
         from .sources.chunker import build  # the seeder's parts: a join never imports them (start-up is on the clock)
         from .swarm.topology import make as make_topology
         from .swarm.tracker import Tracker
-        self.path = os.fspath(path)
+        self.path = self.url = os.fspath(path)  # url: the origin as given (a standalone tracker knows it so)
         origin = etags = None
         if not os.path.exists(self.path) and hfcache.parse_repo_ref(self.path):  # ORG/NAME[@REVISION]
             self.path, origin = hfcache.resolve(self.path)
@@ -145,6 +145,10 @@ class Seeder:
         # serving a copy the model cache keeps: hold it, so it is not evicted while seeded
         cache = cache if cache is not None else ModelCache()
         self.lock = None if self.s3 is not None else cache.hold_if_known(path)
+        if tracker is not None:  # an origin reader in a standalone tracker's swarm, not a tracker
+            from .origin import member_of
+            return member_of(self, tracker, host=host, port=port, advertise=advertise, window=window, key=key,
+                             child_timeout=child_timeout, max_per_host=max_per_host)
         router = self._listen(host, port, probe_port, key)
         advertise = advertise and "%s:%d" % parse_addr(advertise, self.port)  # WELCOME's tracker: HOST:PORT
         self.tracker = Tracker(self.topology, advertise or "", max_peers=max_peers)
@@ -443,7 +447,7 @@ class Download:
 MAX_STATUS_BYTES = 8 << 20  # a STATUS_REPLY larger than this is refused
 
 
-def status(addr: str, *, key: keys.FleetKey | None = None, timeout: float = 5.0) -> dict:
+def status(addr: str, *, key: keys.FleetKey | None = None, timeout: float = 5.0, model_id: str | None = None) -> dict:
     """The fleet as the tracker at ``addr`` (or any peer: it redirects) sees it, slowest first:
     ``{"model_id", "n_chunks", "total_size", "count", "peers": [{"rank", "addr", "sources", "progress",
     "rate", "state", ...}]}``.  Needs no join; ``key`` when the fleet's links are keyed."""
@@ -456,7 +460,8 @@ def status(addr: str, *, key: keys.FleetKey | None = None, timeout: float = 5.0)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_STATUS_BYTES)
             keys.secure_client(sock, key)
-            if not _send_and_wait(sock, addr, protocol.control(Msg.STATUS), timeout, key):
+            ask = protocol.control(Msg.STATUS, **({"model_id": model_id} if model_id else {}))
+            if not _send_and_wait(sock, addr, ask, timeout, key):
                 raise P2PError(_no_answer(addr, timeout, " (with --key if the fleet is keyed)"))
             try:
                 event = protocol.decode(sock.recv_multipart())
@@ -565,8 +570,9 @@ def _welcome_manifest(event, addr: str, model_id: str | None) -> Manifest:
         raise P2PError(str(e)) from None
 
 
-def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, started: float, out):
-    """Connect a joined node to its plan, its copy on disk and its device sink; returns the loader."""
+def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, started: float, out, origin=None):
+    """Connect a joined node to its plan, its copy on disk, its device sink and the origin (``origin.Origin``:
+    a standalone tracker's swarm); returns the loader."""
     manifest = store.manifest
     recovered = cache.recover(store) if cache is not None else []
     for index in recovered:  # chunks an earlier run left on disk: verified again, never fetched again
@@ -586,6 +592,8 @@ def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, st
         loader = Loader(node, store, device, started)
     for index in recovered:
         store.verified(index)
+    if origin is not None:  # after the recovered chunks: a reader tells the tracker what it holds
+        origin.serve(node)
     node.stats.resumed = len(recovered)
     if cache is not None and cache.complete:
         log.warning("%s already holds model %s, complete (its marker matches): serving it, fetching nothing",
@@ -602,28 +610,27 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
          key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT,
          give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None,
          cache: ModelCache | None = None, hf_cache: str | None = None, retry_now: bool = False,
-         trace: bool = False, **limits) -> Download | Attached:
+         trace: bool = False, origin=None, **limits) -> Download | Attached:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
-    Returns at once with a ``Download`` whose chunks fill in the background.  ``out``: write the
-    checkpoint's files there; they are the store (mapped), each final as soon as it is verified,
-    ``out/.p2pw/complete.json`` once all are; a copy whose marker matches is served at once, unless
-    ``verify='full'`` (re-hash what is there).  Without ``out``, the blob lives in memory, or in an
-    unlinked temporary file when larger than ``memory_budget`` bytes (default: half the memory
-    available).  ``model_id``: refuse any other checkpoint.  ``connect_timeout``: how long to keep
-    trying a parent that is not up yet.  ``parent_timeout``: a parent silent this long is given up
-    for another (the tracker names it).  ``give_up_after``: fail once no chunk has arrived from
-    anyone for this long (the seeder and every holder gone); verified chunks stay on disk for a
-    resume.  ``device`` ('cpu', 'cuda:N'): stream verified chunks into one buffer there, for
-    ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.  ``key`` (``keys.load(DIR)``):
-    CURVE-encrypt and authenticate every link.  ``cache`` (``ModelCache``): without ``out``, the
-    copy goes to (or is found complete in) the cache, which evicts first under its size and
-    remembers repeating failures (``retry_now`` ignores them).  ``hf_cache`` (a hub cache
-    directory): the copy in the Hugging Face layout there (``hfcache``).  ``trace``: keep when and
-    from whom each chunk verified (``Download.arrivals``).  ``limits``: ``swarm.admission``'s.
+    Returns at once with a ``Download`` whose chunks fill in the background.  ``out``: write the checkpoint's files
+    there; they are the store (mapped), each final as soon as it is verified, ``out/.p2pw/complete.json`` once all
+    are; a copy whose marker matches is served at once, unless ``verify='full'`` (re-hash what is there).  Without
+    ``out``, the blob lives in memory, or in an unlinked temporary file when larger than ``memory_budget`` bytes
+    (default: half the memory available).  ``model_id``: refuse any other checkpoint.  ``connect_timeout``: how long
+    to keep trying a parent that is not up yet.  ``parent_timeout``: a parent silent this long is given up for
+    another (the tracker names it).  ``give_up_after``: fail once no chunk has arrived from anyone for this long
+    (the seeder and every holder gone); verified chunks stay on disk for a resume.  ``device`` ('cpu', 'cuda:N'):
+    stream verified chunks into one buffer there, for ``wait_tensor`` / ``iter_tensors`` / ``state_dict``.  ``key``
+    (``keys.load(DIR)``): CURVE-encrypt and authenticate every link.  ``cache`` (``ModelCache``): without ``out``,
+    the copy goes to (or is found complete in) the cache, which evicts first under its size and remembers repeating
+    failures (``retry_now`` ignores them).  ``hf_cache`` (a hub cache directory): the copy in the Hugging Face
+    layout there (``hfcache``).  ``trace``: keep when and from whom each chunk verified (``Download.arrivals``).
+    ``limits``: ``swarm.admission``'s.  ``origin`` (``origin.Origin``): ``parent`` is a standalone tracker; with its
+    ``source``, this host reads the shares of the origin it is handed.
 
-    One download per folder on a host: while another local process writes ``out`` (``localcopy``),
-    this returns an ``Attached`` that reads that copy's files as they are verified, fetching nothing.
+    One download per folder on a host: while another local process writes ``out`` (``localcopy``), this returns an
+    ``Attached`` that reads that copy's files as they are verified, fetching nothing.
     """
     started = time.monotonic()
     where = _destination(out, cache, hf_cache)
@@ -644,7 +651,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         raise
     me = advertise or local_ip_towards(p_host)
     peer_id = peer_id or f"{os.uname().nodename}-{os.urandom(4).hex()}"
-    hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id}
+    hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id, **(origin.hello if origin else {})}
     try:
         link, tracker_addr, welcome, manifest = _handshake_remembered(ctx, parent, hello, model_id,
                                                                       connect_timeout, key, cache, retry_now, where)
@@ -661,7 +668,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
                 key=key, parent_timeout=parent_timeout, hello=hello, give_up_after=give_up_after, **limits)
     node.stats.arrivals = [] if trace else None
     try:
-        loader = _wire(node, store, cache, link, tracker_addr, welcome, device, started, target)
+        loader = _wire(node, store, cache, link, tracker_addr, welcome, device, started, target, origin)
     except Exception:
         node._close_sockets()
         gate and gate.stop()

@@ -1,4 +1,4 @@
-"""CLI: ``p2pw pack | keygen | seed | join | cache | status | manifest | verify | demo | simulate``.
+"""CLI: ``p2pw pack | keygen | seed | join | tracker | get | cache | status | manifest | verify | demo | simulate``.
 
 Thin: every command is a call into the library plus printing.  Errors a user
 can cause end as one ``p2pw: error: ...`` line and exit status 1, never a
@@ -154,8 +154,10 @@ def cmd_seed(args) -> int:
              advertise=args.advertise, window=args.window, hash=args.hash, key=key, max_peers=args.max_peers,
              manifest=args.manifest, exclude=args.exclude, s3_concurrency=args.s3_concurrency,
              s3_range_size=args.s3_range_size, probe_port=args.probe_port, member_timeout=args.member_timeout,
-             **limits(args))
+             tracker=args.tracker, **limits(args))
     bind(http, s)
+    if args.tracker:
+        return origin_seeder(s, args)
     m = s.manifest
     if m.origin:
         o = m.origin
@@ -285,7 +287,7 @@ def cmd_join(args) -> int:
                                      "resumed": m.n_chunks, "local": True})
             return 0
     http = start_ops(args, starting="connecting")
-    start = lambda: join(args.parent, out=args.out, port=args.port, host=args.host,  # noqa: E731
+    start = lambda: (args.joiner or join)(args.parent, out=args.out, port=args.port, host=args.host,  # noqa: E731
                          advertise=args.advertise, model_id=args.model_id, window=args.window,
                          connect_timeout=args.connect_timeout, device=args.device, parent_timeout=args.parent_timeout,
                          give_up_after=args.give_up_after, verify=args.verify, memory_budget=args.memory_budget,
@@ -334,7 +336,7 @@ def cmd_join(args) -> int:
                              "started_at": wall + dl.started,
                              "done_at": wall + dl.started + secs,
                              "first_chunk_at": wall + (dl.store.first_at or dl.started),
-                             **({"chunks": dl.arrivals()} if args.trace else {})})
+                             **({"chunks": dl.arrivals()} if args.trace else {}), **args.report_extra()})
     if args.stay:
         say("staying", "p2pw: staying to serve others (Ctrl-C to stop)")
         serve_until_signalled(lambda: dl.node.fatal is not None, every=0.2)
@@ -363,12 +365,81 @@ def follow_local(dl, args) -> None:
                              "received": 0, "seconds": secs, "local": True, "attached": True})
 
 
+def cmd_tracker(args) -> int:
+    from .origin import Tracking
+
+    http = start_ops(args, starting="loading")
+    key = load_key(args.key)
+    t = Tracking(port=args.port, host=args.host, key=key, topology=args.topology, advertise=args.advertise,
+                 max_peers=args.max_peers, member_timeout=args.member_timeout, probe_port=args.probe_port,
+                 max_per_host=args.max_conns_per_host)
+    bind(http, t)
+    say("serving", f"p2pw: tracker listening on {args.host}:{t.port}: a swarm per model published to it "
+        f"(p2pw seed PATH --tracker HOST:{t.port}, p2pw get URL --tracker HOST:{t.port})", port=t.port)
+    if key is None:
+        say("unencrypted", "p2pw: WARNING: links are NOT encrypted or authenticated: anyone who can reach this "
+            "port can publish a manifest or join a swarm (use --key DIR from p2pw keygen)")
+    write_json(args.ready, {"port": t.port})
+    try:
+        serve_until_signalled(lambda: t.node.fatal is not None)
+    finally:
+        t.close()
+    if t.node.fatal is not None:
+        error(t.node.fatal)
+        return 1
+    return 0
+
+
+def cmd_get(args) -> int:
+    from .api import join
+    from .origin import Origin, find, open_source
+
+    key = load_key(args.key)
+    m = find(args.tracker, args.url, key, wait=args.connect_timeout, published=args.manifest,
+             model_id=args.model_id)
+    source = None if args.no_origin else open_source(args.url, m, args.s3_concurrency, args.s3_range_size)
+    origin = Origin(args.url, m, source)
+    args.parent, args.model_id = args.tracker, m.model_id
+    args.joiner = lambda parent, **kw: join(parent, origin=origin, **kw)
+    args.report_extra = lambda: {"origin_bytes_read": origin.bytes_read, "origin_reader": source is not None,
+                                 "url": args.url}
+    return cmd_join(args)
+
+
+def origin_seeder(s, args) -> int:
+    """``p2pw seed PATH --tracker HOST``: serve the shares read until signalled; the report, exit 0."""
+    m = s.manifest
+    say("serving", f"p2pw: serving {args.path} as an origin reader in {args.tracker}'s swarm of model "
+        f"{s.model_id} ({human(m.total_size)} in {m.n_chunks} chunks)", path=args.path, model_id=s.model_id,
+        port=s.port)
+    say("model_id", f"p2pw: model id {s.model_id}")
+    write_json(args.ready, {"port": s.port, "model_id": s.model_id, "total_size": m.total_size})
+    try:
+        serve_until_signalled(lambda: s.node.fatal is not None)
+    finally:
+        s.close()
+    if s.node.fatal is not None:
+        error(s.node.fatal)
+        return 1
+    write_json(args.report, {"model_id": s.model_id, "total_size": m.total_size, "bytes_read": s.bytes_read,
+                             "origin_bytes_read": s.bytes_read, "origin_chunks": s.stats.origin_chunks,
+                             "bytes_sent": s.stats.bytes_sent, "chunks_sent": s.stats.chunks_sent,
+                             "malformed": s.stats.malformed})
+    return 0
+
+
 def cmd_status(args) -> int:
     from .api import status
 
-    doc = status(args.addr, key=load_key(args.key), timeout=args.timeout)
+    doc = status(args.addr, key=load_key(args.key), timeout=args.timeout, model_id=args.model_id)
     if args.json:
         print(json.dumps(doc, indent=1))
+        return 0
+    if "swarms" in doc:  # a standalone tracker serving several models: one line each
+        print(f"p2pw: {len(doc['swarms'])} models (p2pw status {args.addr} --model-id ID for one)")
+        for w in doc["swarms"]:
+            print(f"{w.get('model_id')}  {w.get('peers')} peers ({w.get('done')} done), "
+                  f"{human(w.get('total_size') or 0)}  {' '.join(map(str, w.get('urls', [])))}".rstrip())
         return 0
     peers = doc["peers"]
     done = sum(float(p.get("progress", 0)) >= 1.0 for p in peers)
@@ -460,6 +531,13 @@ def cmd_manifest(args) -> int:
         m, _, _ = S3Checkpoint(args.path, args.s3_concurrency, args.s3_range_size).build(args.chunk_size)
     else:
         m, _, _ = build(args.path, args.chunk_size, exclude=args.exclude)
+    if args.tracker:
+        from .origin import publish
+
+        publish(args.tracker, args.path, m, load_key(args.key))
+        print(f"p2pw: published the manifest of {args.path} (model id {m.model_id}) to {args.tracker}")
+        if not args.output:
+            return 0
     text = m.to_json(indent=1)
     if args.output:
         with open(args.output, "w") as f:
@@ -558,6 +636,9 @@ def _seed_parser(sub) -> None:
                    help="chunk hash: xxh3_64 (default, fast, catches corruption) or a cryptographic one "
                         "(sha256, blake2b, blake3) that also stops a peer forging chunks")
     s.add_argument("--max-peers", type=positive, default=10_000, help="refuse joiners beyond this many peers")
+    s.add_argument("--tracker", metavar="HOST[:PORT]",
+                   help="join the swarm of a standalone tracker (p2pw tracker) as one of the model's origin "
+                        "readers: publish the manifest there, read and serve the shares it hands out, run no tracker")
     s.add_argument("--member-timeout", type=seconds, default=MEMBER_TIMEOUT, metavar="S",
                    help=f"drop a member not heard from for S seconds (default {MEMBER_TIMEOUT:g}; members report "
                         "every 0.5 s)")
@@ -576,6 +657,12 @@ def _join_parser(sub) -> None:
     """``p2pw join``'s arguments."""
     j = sub.add_parser("join", help="attach this host to a broadcast and download the checkpoint")
     j.add_argument("--parent", required=True, help="HOST[:PORT] of the seeder or any peer")
+    join_flags(j)
+    j.set_defaults(func=cmd_join, joiner=None, report_extra=dict)  # p2pw get: the join of an origin's swarm
+
+
+def join_flags(j) -> None:
+    """What ``p2pw join`` and ``p2pw get`` share: where the copy goes, how the join behaves."""
     j.add_argument("--out", help="write the checkpoint's files to this directory (default: the model cache, "
                                  "$P2PW_CACHE_DIR/models/MODEL_ID)")
     j.add_argument("--hf-cache", nargs="?", const="", metavar="DIR",
@@ -619,7 +706,6 @@ def _join_parser(sub) -> None:
     j.add_argument("--progress-every", type=seconds, default=10.0, metavar="S",
                    help="seconds between progress lines when stderr is not a terminal (default 10)")
     _ops_flags(j)
-    j.set_defaults(func=cmd_join)
 
 
 class HelpLayout(argparse.HelpFormatter):
@@ -680,6 +766,42 @@ def _command_in(argv: list[str]) -> str | None:
     return None
 
 
+def _tracker_parser(sub) -> None:
+    t = sub.add_parser("tracker", help="run a standalone tracker: a swarm per model on one port, no seeder "
+                                       "(peers p2pw get URL --tracker HOST)")
+    t.add_argument("--port", type=port, default=7420)
+    t.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    t.add_argument("--key", metavar="DIR", help="fleet key directory (p2pw keygen): encrypt and authenticate links")
+    t.add_argument("--advertise", help="HOST[:PORT] peers reach this tracker at (default: the one they used)")
+    t.add_argument("--topology", default="forest:2", metavar="PLAN", help="the plan of every swarm: forest:K "
+                                                                         "(default forest:2)")
+    t.add_argument("--probe-port", type=port, default=0, metavar="PORT",
+                   help="TCP port joiners time their uplink against (default: any free one)")
+    t.add_argument("--max-peers", type=positive, default=10_000, help="refuse joiners beyond this many per model")
+    t.add_argument("--member-timeout", type=seconds, default=MEMBER_TIMEOUT, metavar="S",
+                   help=f"drop a member not heard from for S seconds (default {MEMBER_TIMEOUT:g})")
+    t.add_argument("--max-conns-per-host", type=positive, default=MAX_PER_HOST, metavar="N",
+                   help=f"connections one address may hold with the tracker (default {MAX_PER_HOST})")
+    t.add_argument("--ready", type=output_path, help="write {port} as JSON to this file once listening")
+    _ops_flags(t)
+    t.set_defaults(func=cmd_tracker)
+
+
+def _get_parser(sub) -> None:
+    g = sub.add_parser("get", help="download a model from its origin's swarm at a standalone tracker, reading "
+                                   "a share of the origin where this host can")
+    g.add_argument("url", help="the origin: s3://BUCKET/PREFIX, a path every host sees, or ORG/NAME[@REVISION] "
+                               "in the local Hugging Face cache (as published to the tracker)")
+    g.add_argument("--tracker", required=True, metavar="HOST[:PORT]", help="the standalone tracker (p2pw tracker)")
+    g.add_argument("--manifest", metavar="M", help="publish this manifest (p2pw manifest URL -o M) for URL if "
+                                                   "the tracker has none")
+    g.add_argument("--no-origin", action="store_true",
+                   help="never read the origin here, even where this host can: take every chunk from peers")
+    s3_flags(g)
+    join_flags(g)
+    g.set_defaults(func=cmd_get, joiner=None, report_extra=dict)
+
+
 def _status_parser(sub) -> None:
     st = sub.add_parser("status", help="ask the tracker for the fleet: each peer's rank, address, sources, "
                                        "progress, rate and state, the slowest first")
@@ -687,6 +809,7 @@ def _status_parser(sub) -> None:
     st.add_argument("--json", action="store_true", help="print the fleet as JSON")
     st.add_argument("--key", metavar="DIR", help="fleet key directory, when the fleet's links are keyed")
     st.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for the answer")
+    st.add_argument("--model-id", help="a standalone tracker's swarm of this model (its id or a prefix)")
     st.set_defaults(func=cmd_status)
 
 
@@ -719,6 +842,9 @@ def _manifest_parser(sub) -> None:
     m.add_argument("--chunk-size", type=size, default=None,
                    help=CHUNK_SIZE_HELP)
     m.add_argument("-o", "--output")
+    m.add_argument("--tracker", metavar="HOST[:PORT]",
+                   help="publish it to this standalone tracker (p2pw tracker), for p2pw get PATH --tracker")
+    m.add_argument("--key", metavar="DIR", help="fleet key directory, when the tracker's links are keyed")
     s3_flags(m)
     m.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="leave out entries matching GLOB (as p2pw seed --exclude; repeatable)")
@@ -748,7 +874,8 @@ def _simulate_parser(sub) -> None:
     sim.set_defaults(func=cmd_simulate)
 
 
-COMMANDS = {"seed": _seed_parser, "join": _join_parser, "status": _status_parser, "cache": _cache_parser,
+COMMANDS = {"seed": _seed_parser, "join": _join_parser, "tracker": _tracker_parser, "get": _get_parser,
+            "status": _status_parser, "cache": _cache_parser,
             "pack": _pack_parser, "keygen": _keygen_parser, "manifest": _manifest_parser,
             "verify": _verify_parser, "demo": _demo_parser, "simulate": _simulate_parser}  # in --help's order
 
@@ -778,7 +905,8 @@ def main(argv: list[str] | None = None) -> int:
     global context
     context = LogContext()
     LOG["format"] = args.log_format
-    configure_logging(args.log_format, logging.INFO if args.verbose or args.command == "seed" else logging.WARNING,
+    configure_logging(args.log_format,
+                      logging.INFO if args.verbose or args.command in ("seed", "tracker") else logging.WARNING,
                       context)
     try:
         return args.func(args, rest) if args.command == "simulate" else args.func(args)

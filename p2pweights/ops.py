@@ -85,6 +85,8 @@ class Readiness:
         h = self.handle
         if h is None:
             return {"stage": self.starting, "pct": 0.0}
+        if getattr(h, "store", None) is None:  # a standalone tracker: ready while its loop serves
+            return {"stage": "failed", "pct": 0.0, "error": h.node.fatal} if h.node.fatal else {"stage": "ready"}
         store = h.store
         pct = round(100.0 * store.bytes / h.manifest.total_size, 1) if h.manifest.total_size else 100.0
         if h.node.fatal:
@@ -136,6 +138,11 @@ class NodeCollector:
         yield GaugeMetricFamily("p2pw_ready", "1 once the copy is complete and verified (on disk, on the device "
                                               "where asked), else 0", value=int(self.readiness.ready()))
         if h is None:
+            return
+        if getattr(h, "store", None) is None:  # a standalone tracker: its swarms' members
+            yield GaugeMetricFamily("p2pw_peers", "peers in the fleet that have not left",
+                                    value=sum(w.live for w in list(h.registry.swarms.values())))
+            yield GaugeMetricFamily("p2pw_swarms", "models a standalone tracker serves", value=len(h.registry.swarms))
             return
         st = h.node.stats
         yield CounterMetricFamily("p2pw_received_bytes", "chunk bytes received from partners",
@@ -417,7 +424,8 @@ class LogContext:
         if h is None:
             return {"model_id": None, "rank": None}
         rank = getattr(h, "rank", 0)
-        return {"model_id": h.model_id, "rank": h.node.rank if h.node.member is not None else rank}
+        member = getattr(h.node, "member", None)
+        return {"model_id": h.model_id, "rank": h.node.rank if member is not None else rank}
 
 
 class JsonFormatter(logging.Formatter):

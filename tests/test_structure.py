@@ -12,7 +12,7 @@ LAYERS = (
     {"sources"},
     {"storage"},
     {"swarm"},
-    {"api"},
+    {"api", "origin"},
     {"loaders", "hf"},
     {"cli", "ops", "demo", "__main__"},
 )

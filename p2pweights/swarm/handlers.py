@@ -16,6 +16,7 @@ import zmq
 from ..wire import protocol
 from ..wire.protocol import MAX_NAME, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
 from .admission import NOT_PLACED, attach_refusal
+from .originread import landed
 
 log = logging.getLogger("p2pw")
 
@@ -71,6 +72,8 @@ class Handlers:
             else:
                 log.error("chunk %d read from storage does not match the manifest: the checkpoint changed under "
                           "the seeder (or cannot be read); not serving it (restart the seeder to rescan)", index)
+        elif verb == b"origin":
+            landed(n, *READY.unpack(body))
         elif verb == b"urgent":
             n.pull.prioritize(struct.unpack(f"<{len(body) // 4}I", body))
         elif verb == b"fail":
@@ -222,6 +225,8 @@ class Handlers:
             n.stop_event.set()
         elif event.type == Msg.REPARENT:
             self._plan(f)
+        elif event.type == Msg.SHARE:
+            n.member.shared(f["chunks"])
         elif event.type == Msg.ERROR:  # it does not know us (restarted): introduce ourselves at once
             log.warning("tracker: %s", f.get("message"))
             if n.clock() - n.member.hello_sent > 1.0:

@@ -49,6 +49,9 @@ class Membership:
         self.probe_due = _probe_asked(probe)  # (sink port, bytes) to time our uplink with: now, or at a tick
         self.probe_sent = 0  # chunks we had sent when it began (sent more by its end: not ``alone``)
         self.beat_at, self.received = now, {}  # the last heartbeat, and each link's bytes by then
+        self.publishes: tuple[str, bytes] | None = None  # (origin URL, manifest): published again to a restarted
+        #                                                  standalone tracker before each HELLO
+        self.reads: list[int] = []  # an origin reader's chunks held since the last READ
         if self.probe_due:  # before we ask anyone for a chunk (see ``probe``)
             self.probe()
 
@@ -99,8 +102,36 @@ class Membership:
             alone = not self.probe_sent and after <= PROBE_HOLD or self.node.stats.chunks_sent == self.probe_sent
             self.post(protocol.control(Msg.PROBE, rate=round(rate), took=round(took, 6), alone=alone))
 
+    def shared(self, chunks) -> None:
+        """SHARE: read ``chunks`` from the origin; those held already are reported at once."""
+        node = self.node
+        if any(i >= node.manifest.n_chunks for i in chunks):
+            node.stats.malformed += 1
+            log.warning("tracker sent a share naming chunk %d; the blob has %d: ignored", max(chunks),
+                        node.manifest.n_chunks)
+            return
+        self.reads += [i for i in chunks if node.store.has(i)]
+        todo = [i for i in chunks if not node.store.has(i)]
+        if todo and node.origin is not None:
+            node.origin.share(todo)
+
+    def read(self, index: int) -> None:
+        """Chunk ``index`` of our share is held now: READ tells the tracker at the next tick."""
+        self.reads.append(index)
+
+    def report_held(self) -> None:
+        """An origin reader (re)welcomed: the tracker hears of every chunk it holds (its pool is rebuilt)."""
+        self.reads = [i for i, held in enumerate(self.node.store.have) if held]
+
+    def _report_reads(self) -> None:
+        while self.reads:
+            batch, self.reads = self.reads[:protocol.MAX_REQUEST], self.reads[protocol.MAX_REQUEST:]
+            self.post(protocol.control(Msg.READ, chunks=batch))
+
     def welcomed_again(self, rank: int, probe=None) -> None:
         """A restarted tracker took us back (as ``rank``)."""
+        if self.hello_fields.get("origin"):
+            self.report_held()
         self.probe_due = _probe_asked(probe)
         if self.hello_sent:
             log.warning("tracker %s is back: we are rank %d", self.addr, rank)
@@ -113,6 +144,7 @@ class Membership:
         if self.probe_due:
             self.probe()
         self._watch_progress(now)
+        self._report_reads()
         if now - self.heard > self.tracker_timeout and now - self.hello_sent > RETRY_INTERVAL:
             self.reintroduce(now)
         for rank, (why, dead) in self.lost.items():
@@ -173,6 +205,12 @@ class Membership:
         if self.hello_sent == 0.0 or now - self.hello_sent > 5 * RETRY_INTERVAL:
             log.warning("tracker %s silent for %.0f s: introducing ourselves again", self.addr, now - self.heard)
         self.hello_sent = now
+        if self.publishes is not None:  # a restarted standalone tracker knows no manifest: tell it ours first
+            url, manifest = self.publishes
+            try:
+                self.socket.send_multipart([protocol.control(Msg.PUBLISH, url=url), manifest], zmq.NOBLOCK)
+            except zmq.Again:
+                pass
         self.post(protocol.control(Msg.HELLO, **self.hello_fields, rank=self.node.rank,
                                    have=self.node.store.count, secret=self.node.secret))
 

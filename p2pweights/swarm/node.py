@@ -83,6 +83,7 @@ class Stats:
         self.chunks_sent = self.bytes_sent = self.chunks_received = self.bytes_received = 0
         self.bad_chunks = self.duplicates = self.malformed = self.stalled = 0
         self.reparented = self.resumed = self.switches = 0
+        self.origin_chunks = 0  # chunks this node read from the origin and served (an origin reader)
         self.arrivals: list | None = None
 
     @property
@@ -134,7 +135,7 @@ class Node:
         self.tracker_addr: str | None = None  # where joiners are redirected (a peer: its tracker)
         self.rank = 0
         self.next_heartbeat = self.next_prune = self.next_timers = 0.0
-        self.reader = None  # a seeder serving a known manifest reads chunks from storage as peers ask
+        self.reader = self.origin = None  # a seeder reading chunks as peers ask them; an origin reader's shares
         self.poller = zmq.Poller()
         self.poller.register(router, zmq.POLLIN)
         self.inbox = ctx.socket(zmq.PULL)  # every other thread reaches the loop through here
@@ -385,8 +386,8 @@ class Node:
             self._send(ident, bye)
         self.router.setsockopt(zmq.LINGER, 200)
         self.partners.close_all()
-        if self.reader is not None:
-            self.reader.stop()
+        for reader in filter(None, (self.reader, self.origin)):
+            reader.stop()
         if self.member is not None:
             self.member.close()
         self.inbox.close(0)

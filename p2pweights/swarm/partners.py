@@ -61,6 +61,7 @@ class Partners:
         self.links: dict[int, PartnerLink] = {}
         self.plan: list[dict] = []  # {stripe, rank, addr} per stripe, as the tracker said
         self.tickets: dict[int, str] = {}  # rank -> the ticket that admits us there (the tracker's plan entry's)
+        self.pulls = True  # False: a seeder among peers serves what it reads and pulls from nobody
 
     def watch(self, now: float) -> None:
         for link in list(self.links.values()):
@@ -111,7 +112,7 @@ class Partners:
         for rank in [r for r in self.links if r not in want or self.links[r].addr != want[r]]:
             self.close(rank)
         for rank, addr in want.items():
-            if rank not in self.links and not n.store.complete:
+            if rank not in self.links and not n.store.complete and self.pulls:
                 self.open(rank, addr)
 
     def _entry_ok(self, p, stripe: bool = False) -> bool:

@@ -25,6 +25,14 @@ peers that depend on it are done.  Anyone may ask the tracker for the fleet
 with STATUS on a fresh connection (no join); it answers STATUS_REPLY with its
 latest snapshot (any other node answers REDIRECT to the tracker).
 
+A standalone tracker (``p2pw tracker``) serves one swarm per model id on one
+port.  Its manifests come from PUBLISH (the origin's URL and the manifest's
+canonical bytes); LOOKUP asks for the one published for a URL (MANIFEST), and
+a HELLO names the swarm by its full ``model_id``.  A member that can read the
+origin says ``origin`` in its HELLO: the tracker hands it SHARE after SHARE of
+the chunks nobody holds yet, disjoint from every other reader's, and the reader
+reports with READ what it holds of them, so the origin is read about once.
+
 Trust.  Every field a message carries is checked here before any handler sees
 it (``FIELD_CHECKS``): each address (HELLO's listen, REDIRECT's and WELCOME's
 tracker, every plan entry's addr) must be ``HOST:PORT``, so no peer can make
@@ -54,6 +62,7 @@ YOUNG = 2.0  # seconds after a join in which the peer reports twice as often, an
 #              twice as often: a slow first joiner stops being a stripe's root at about 0.75 s, not 1.0
 
 
+MAX_URL = 1024  # characters of an origin's URL
 MAX_SECRET = 64  # hex digits of a member's secret or a ticket
 HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]")  # a name, an IPv4 address, or an IPv6 one in brackets
 
@@ -80,7 +89,7 @@ class VersionMismatch(ProtocolError):
 
 
 class Msg(IntEnum):
-    HELLO = 1       # joiner -> any node: {peer_id, listen, model_id?, have?, rank?, secret?}
+    HELLO = 1       # joiner -> any node: {peer_id, listen, model_id?, have?, rank?, secret?, origin?}
     WELCOME = 2     # tracker -> joiner: {rank, parents, stripes, tracker, secret?, partners?} + manifest frame
     REDIRECT = 3    # node -> joiner: {tracker}
     ERROR = 4       # any -> any: {message, fatal}
@@ -98,10 +107,16 @@ class Msg(IntEnum):
     ORPHAN = 16     # peer -> tracker: {rank, stripe, parent, reason, dead}; another parent in that stripe
     HAVE = 17       # partner -> peer: u32 indices it verified since the last HAVE
     CANCEL = 18     # peer -> partner: u32 indices no longer wanted (an endgame duplicate arrived)
-    STATUS = 19     # anyone -> tracker, on a fresh connection, no join needed: {}
+    STATUS = 19     # anyone -> tracker, on a fresh connection, no join needed: {model_id?}
     STATUS_REPLY = 20  # tracker -> asker: {peers, shown} + fleet JSON frame (fleet.Fleet.to_doc), bounded
     PROBE = 21      # member -> tracker: {rate, took, alone}: its uplink, as its kernel timed the bytes WELCOME's
     #                 "uplink_probe" asked it to send the seeder's probe sink (``uplink``)
+    SHARE = 22      # tracker -> origin reader: {chunks}: read these from the origin (nobody holds them yet)
+    READ = 23       # origin reader -> tracker: {chunks}: of its share (or, once welcomed, of all) it holds now
+    PUBLISH = 24    # anyone -> standalone tracker: {url} + manifest frame: the manifest of the origin at url
+    PUBLISHED = 25  # tracker -> publisher: {model_id}
+    LOOKUP = 26     # anyone -> standalone tracker, on a fresh connection: {url}
+    MANIFEST = 27   # tracker -> asker: {url, model_id} + manifest frame (the canonical bytes)
 
 
 # Required JSON fields of each control message and their types.
@@ -123,6 +138,12 @@ SCHEMA: dict[Msg, dict[str, type | tuple]] = {
     Msg.STATUS: {},
     Msg.STATUS_REPLY: {"peers": int, "shown": int},
     Msg.PROBE: {"rate": (int, float), "took": (int, float)},
+    Msg.SHARE: {"chunks": list},
+    Msg.READ: {"chunks": list},
+    Msg.PUBLISH: {"url": str},
+    Msg.PUBLISHED: {"model_id": str},
+    Msg.LOOKUP: {"url": str},
+    Msg.MANIFEST: {"url": str, "model_id": str},
 }
 
 
@@ -142,6 +163,23 @@ def _addr(what: str, addr, empty: bool = True) -> None:
 def _hello(f: dict) -> None:
     _names(f, "peer_id", "model_id", "secret")
     _addr("listen address", f["listen"], empty=False)
+    if "origin" in f and type(f["origin"]) is not bool:
+        raise ProtocolError("'origin' is not true or false")
+
+
+def _chunks(f: dict) -> None:
+    """SHARE's and READ's chunk indices: at most MAX_REQUEST whole numbers below 2**32 (the handler checks them
+    against the blob's chunks)."""
+    c = f["chunks"]
+    if len(c) > MAX_REQUEST or not all(type(i) is int and 0 <= i < 1 << 32 for i in c):
+        raise ProtocolError(f"'chunks' is not a list of at most {MAX_REQUEST} chunk indices")
+
+
+def _url(f: dict) -> None:
+    """An origin's URL (s3://..., a path, ORG/NAME[@REVISION]): printable, at most MAX_URL characters."""
+    url = f["url"]
+    if not url or len(url) > MAX_URL or not url.isprintable():
+        raise ProtocolError(f"'url' is empty, longer than {MAX_URL} characters or not printable")
 
 
 def _plan(f: dict) -> None:
@@ -163,9 +201,17 @@ FIELD_CHECKS = {
     Msg.WELCOME: _plan,
     Msg.REPARENT: _plan,
     Msg.ORPHAN: lambda f: _names(f, "reason"),
+    Msg.SHARE: _chunks,
+    Msg.READ: _chunks,
+    Msg.PUBLISH: _url,
+    Msg.LOOKUP: _url,
+    Msg.MANIFEST: _url,
+    Msg.PUBLISHED: lambda f: _names(f, "model_id"),
+    Msg.STATUS: lambda f: _names(f, "model_id"),
 }
 # ATTACHED: the bitfield (packbits)
-PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1, Msg.ATTACHED: 1, Msg.STATUS_REPLY: 1}
+PAYLOAD_FRAMES = {Msg.WELCOME: 1, Msg.CHUNK: 1, Msg.ATTACHED: 1, Msg.STATUS_REPLY: 1, Msg.PUBLISH: 1,
+                  Msg.MANIFEST: 1}
 INDEX_LISTS = (Msg.REQUEST, Msg.HAVE, Msg.CANCEL)  # bodies of u32 chunk indices
 
 
@@ -289,7 +335,11 @@ SERVER_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("new", Msg.ATTACH): "child",
     ("new", Msg.HEARTBEAT): "new",
     ("new", Msg.STATUS): "new",
+    ("new", Msg.PUBLISH): "new",
+    ("new", Msg.LOOKUP): "new",
     ("member", Msg.HELLO): "member",
+    ("member", Msg.READ): "member",
+    ("member", Msg.PUBLISH): "member",
     ("member", Msg.DONE): "member",
     ("member", Msg.LEAVE): "member",
     ("member", Msg.HEARTBEAT): "member",
@@ -311,6 +361,8 @@ CLIENT_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("member", Msg.REPARENT): "member",
     ("member", Msg.HEARTBEAT): "member",
     ("member", Msg.WELCOME): "member",
+    ("member", Msg.SHARE): "member",
+    ("member", Msg.PUBLISHED): "member",
     ("attaching", Msg.ATTACHED): "attached",
     ("attaching", Msg.HEARTBEAT): "attaching",
     ("attaching", Msg.BYE): "closed",

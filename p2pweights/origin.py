@@ -1,0 +1,266 @@
+"""Origin: fleets with no seeder, around a standalone tracker (``p2pw tracker``).
+
+The tracker knows each origin's manifest by its URL (``publish``, ``lookup``).
+``p2pw get URL --tracker HOST`` looks the manifest up (or publishes one given
+with ``--manifest``), opens the origin if this host can read it (``open_source``:
+an ``s3://`` prefix whose objects still have the manifest's ETags, a path
+whose files have its sizes, a Hugging Face repo in the local hub cache), and
+joins the swarm as an ordinary peer, reading the shares of the origin the
+tracker hands it when it can (``Origin.serve``).  ``p2pw seed PATH --tracker
+HOST`` publishes its manifest and joins as a reader that serves what it reads
+and pulls nothing (``member_of``); several seeders of one model share the reading.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import zmq
+
+from .errors import P2PError
+from .sources.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
+from .wire import keys, protocol
+from .wire.protocol import Msg, ProtocolError
+
+log = logging.getLogger("p2pw")
+
+LOOKUP_EVERY = 1.0  # seconds between LOOKUPs while no manifest is published for the URL
+SAY_EVERY = 10.0  # seconds between lines saying so
+
+
+class Origin:
+    """A model's origin as a member of its swarm sees it: the URL, the manifest, and a reader (``source``,
+    None where this host cannot read the origin)."""
+
+    def __init__(self, url: str, manifest: Manifest, source=None):
+        self.url, self.manifest, self.source = url, manifest, source
+
+    def serve(self, node) -> None:
+        """``node`` (joined, not started) publishes the manifest again to a restarted tracker, and, with a
+        source, reads the shares it is handed and tells the tracker what it holds."""
+        from .swarm.originread import attach
+
+        node.member.publishes = (self.url, self.manifest.wire_bytes())
+        if self.source is not None:
+            attach(node, self.source)
+            node.member.report_held()
+
+    @property
+    def bytes_read(self) -> int:
+        return self.source.bytes_read if self.source is not None else 0
+
+    @property
+    def hello(self) -> dict:
+        """What a HELLO adds: ``origin`` where this host reads the origin."""
+        return {"origin": True} if self.source is not None else {}
+
+
+def _ask(tracker: str, frames: list, key, timeout: float, ctx=None):
+    """Send ``frames`` to the tracker on a fresh connection; its answer (an Event)."""
+    from .api import _no_answer, parse_addr
+
+    host, port = parse_addr(tracker)
+    addr = f"{host}:{port}"
+    own = ctx is None
+    ctx = zmq.Context() if own else ctx
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MANIFEST_BYTES + (64 << 10))
+        keys.secure_client(sock, key)
+        if not _send_frames(sock, addr, frames, timeout, key):
+            raise P2PError(_no_answer(addr, timeout, " (a p2pw tracker, with --key if the fleet is keyed)"))
+        try:
+            return protocol.decode(sock.recv_multipart())
+        except ProtocolError as e:
+            raise P2PError(f"{addr} is not a compatible p2pw tracker: {e}") from None
+    finally:
+        sock.close(0)
+        if own:
+            ctx.term()
+
+
+def _send_frames(sock, addr: str, frames: list, timeout: float, key) -> bool:
+    from .swarm.node import tcp
+
+    watch = keys.LinkWatch(sock, addr, key)
+    try:
+        sock.connect(tcp(addr))
+        sock.send_multipart(frames)
+        return watch.wait(timeout)
+    except keys.LinkRefused as e:
+        raise P2PError(str(e)) from None
+    finally:
+        watch.close()
+
+
+def publish(tracker: str, url: str, manifest: Manifest, key=None, timeout: float = 30.0, ctx=None) -> str:
+    """Tell the tracker at ``tracker`` that ``manifest`` is the origin's at ``url``; its model id."""
+    event = _ask(tracker, [protocol.control(Msg.PUBLISH, url=url), manifest.wire_bytes()], key, timeout, ctx)
+    if event.type == Msg.ERROR:
+        raise P2PError(f"{tracker} refused the manifest of {url}: {event.fields['message']}")
+    if event.type != Msg.PUBLISHED or event.fields["model_id"] != manifest.model_id:
+        raise P2PError(f"{tracker} answered PUBLISH with {event.type.name} {event.fields}")
+    return manifest.model_id
+
+
+def lookup(tracker: str, url: str, key=None, timeout: float = 5.0, model_id: str | None = None) -> Manifest | None:
+    """The manifest published at ``tracker`` for ``url`` (pinned to ``model_id`` if given), or None if none is."""
+    event = _ask(tracker, [protocol.control(Msg.LOOKUP, url=url)], key, timeout)
+    if event.type == Msg.ERROR:
+        if "no manifest published" in str(event.fields.get("message")):
+            return None
+        raise P2PError(f"{tracker} refused the lookup of {url}: {event.fields['message']}")
+    if event.type != Msg.MANIFEST:
+        raise P2PError(f"{tracker} answered LOOKUP with {event.type.name}")
+    try:
+        m = Manifest.from_wire(bytes(event.payload), expect_id=model_id or event.fields["model_id"])
+    except ManifestError as e:
+        raise P2PError(f"{tracker}'s manifest for {url}: {e}") from None
+    return m
+
+
+def find(tracker: str, url: str, key=None, wait: float = 30.0, published: str | None = None,
+         model_id: str | None = None) -> Manifest:
+    """The manifest of ``url``: ``published`` (a manifest file) is published first if the tracker knows none;
+    else the tracker's, asked again each second for up to ``wait`` seconds."""
+    from .api import _read_manifest
+
+    if published is not None:
+        m = _read_manifest(published)
+        known = lookup(tracker, url, key, model_id=None)
+        if known is None or known.model_id != m.model_id:
+            publish(tracker, url, m, key)
+        return m
+    deadline, said = time.monotonic() + wait, time.monotonic()
+    while True:
+        m = lookup(tracker, url, key, model_id=model_id)
+        if m is not None:
+            return m
+        if time.monotonic() > deadline:
+            raise P2PError(f"no manifest published for {url} at {tracker} after {wait:g} s: publish one "
+                           f"(p2pw manifest {url} --tracker {tracker}, p2pw seed {url} --tracker {tracker}, or "
+                           f"p2pw get {url} --manifest M)")
+        if time.monotonic() - said >= SAY_EVERY:
+            said = time.monotonic()
+            log.warning("no manifest published for %s at %s yet: asking again for %.0f s more", url, tracker,
+                        deadline - said)
+        time.sleep(LOOKUP_EVERY)
+
+
+def open_source(url: str, manifest: Manifest, s3_concurrency: int = 16, s3_range_size: int = 8 << 20):
+    """A reader of the origin at ``url`` that still holds ``manifest``'s files, or None (said why) where this
+    host cannot read it: no credentials, no such path, files changed since the manifest was made."""
+    from .sources.objstore import is_s3
+    from .sources.source import BlobSource
+
+    try:
+        if is_s3(url):
+            from .sources.objstore import S3Checkpoint
+
+            ckpt = S3Checkpoint(url, s3_concurrency, s3_range_size)
+            ckpt.check(manifest, "the published manifest")
+            return ckpt.source(manifest.files)
+        path = url
+        if not os.path.exists(path):
+            from .storage import hfcache
+
+            if not hfcache.parse_repo_ref(url):
+                raise P2PError(f"{url}: no such file or directory here")
+            path, _ = hfcache.resolve(url)
+        for f in manifest.files:
+            full = os.path.join(path, f["name"]) if os.path.isdir(path) else path
+            if os.path.getsize(full) != f["size"]:
+                raise P2PError(f"{full} is not the size the manifest says ({f['size']} bytes)")
+        return BlobSource(path, manifest.files)
+    except (P2PError, OSError, ImportError) as e:  # UserErrors (no credentials, access denied) included
+        log.warning("not reading the origin %s here (%s): taking every chunk from peers", url,
+                    str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+        return None
+
+
+def member_of(s, tracker: str, *, host: str, port: int, advertise: str | None, window: int, key,
+              connect_timeout: float = 30.0, **limits) -> None:
+    """Make seeder ``s`` (its manifest and store open) an origin reader of the standalone tracker's swarm: it
+    publishes its manifest, joins, serves what it reads of the shares it is handed, and pulls nothing."""
+    from .api import _handshake, local_ip_towards, parse_addr
+    from .sources.source import sending_read_bytes
+    from .swarm.node import Node, bind_router
+
+    t_host, t_port = parse_addr(tracker)
+    tracker = f"{t_host}:{t_port}"
+    s.ctx, s.probe_sink, s.tracker = zmq.Context(), None, None
+    s.gate = keys.gate(s.ctx, key)
+    try:
+        router, s.port = bind_router(s.ctx, host, port, key)
+        me = parse_addr(advertise, s.port)[0] if advertise else local_ip_towards(t_host)
+        publish(tracker, s.url, s.manifest, key, connect_timeout, s.ctx)
+        hello = {"peer_id": f"seeder-{os.uname().nodename}-{os.urandom(4).hex()}", "listen": f"{me}:{s.port}",
+                 "model_id": s.model_id, "origin": True}
+        link, tracker_addr, welcome, _ = _handshake(s.ctx, tracker, hello, s.model_id, connect_timeout, key)
+    except BaseException:
+        s.gate and s.gate.stop()
+        s.ctx.destroy(0)
+        s.lock and s.lock.release()
+        raise
+    node = s.node = Node(s.ctx, router, s.manifest, s.store, peer_id=hello["peer_id"], window=window, key=key,
+                         hello=hello, give_up_after=math.inf, **limits)
+    node.partners.pulls = False  # a seeder serves what it reads; the swarm brings the rest to the peers
+    node.attach_tracker(link, tracker_addr, welcome["rank"], welcome.get("uplink_probe"), welcome.get("secret"))
+    partners = welcome.get("partners") if isinstance(welcome.get("partners"), list) else []
+    node.partners.set_plan(welcome["parents"], partners, welcome["stripes"])
+    s.origin = Origin(s.url, s.manifest, s.source)
+    s.origin.serve(node)
+    s.io_at_serve = sending_read_bytes() if s.s3 is None else None
+    node.start()
+
+
+class Tracking:
+    """A running standalone tracker (``p2pw tracker``): ``port``, ``registry``, and ``node`` (its loop)."""
+
+    model_id = ""  # many models: none names the process (its log lines, its metrics)
+
+    def __init__(self, *, port: int = 7420, host: str = "0.0.0.0", key=None, topology: str = "forest:2",
+                 advertise: str | None = None, max_peers: int = 10_000, member_timeout: float | None = None,
+                 probe_port: int = 0, max_per_host: int | None = None):
+        from .api import _probe_sink, parse_addr
+        from .swarm.node import bind_router
+        from .swarm.registry import Registry
+        from .swarm.topology import make
+        from .swarm.trackerd import TrackerServer
+
+        if not hasattr(make(topology), "place"):  # a bad name fails before anything listens
+            raise P2PError(f"--topology {topology}: a tracker with no seeder places forest:K plans only (a rule-based "
+                           "plan hangs every tree off a seeder)")
+        self.ctx = zmq.Context()
+        self.gate = keys.gate(self.ctx, key)
+        try:
+            router, self.port = bind_router(self.ctx, host, port, key)
+        except BaseException:
+            self.gate and self.gate.stop()
+            self.ctx.term()
+            raise
+        self.probe_sink = _probe_sink(host, probe_port)
+        root = "%s:%d" % parse_addr(advertise, self.port) if advertise else ""
+        self.registry = Registry(lambda n: make(topology), root_listen=root, keyed=key is not None,
+                                 member_timeout=member_timeout, max_peers=max_peers)
+        if self.probe_sink is not None:
+            self.registry.probe_port = self.probe_sink.port
+        self.node = TrackerServer(router, self.registry, **({"max_per_host": max_per_host} if max_per_host else {}))
+        self.node.start()
+
+    def close(self) -> None:
+        self.node.stop()
+        if self.probe_sink is not None:
+            self.probe_sink.close()
+        if self.gate is not None:
+            self.gate.stop()
+        self.ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

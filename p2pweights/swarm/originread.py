@@ -1,0 +1,113 @@
+"""Origin reader: a member's reading of its share of the origin, on a thread of its own.
+
+The tracker hands an origin reader shares of the chunks nobody holds yet
+(SHARE).  This thread reads each chunk of them that the store does not hold
+from the origin (``source.BlobSource``, ``objstore.S3Source``: anything with
+``read_chunks``) into a buffer of its own, verifies it against the manifest,
+and hands it to the loop (``b"origin"`` on the inbox), which writes it into
+the store (unless a peer's copy came first), publishes it (partners hear of
+it at once and parked requests are served) and reports it to the tracker
+(READ).  Nothing read is written, forwarded or shown before its hash matched,
+and the store keeps one writer: the loop.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import struct
+import threading
+
+import zmq
+
+from ..sources.manifest import chunk_hasher
+
+log = logging.getLogger("p2pw")
+
+READY = struct.Struct("<I?")  # reader -> loop: chunk index, matched the manifest (as ``handlers.READY``)
+GROUP = 4  # chunks read at once from a source that reads one at a time (a parallel one reads its concurrency)
+
+
+class OriginReader:
+    """Reads shares of ``manifest``'s chunks from ``source``; ``on_ready(index, ok)`` from its thread."""
+
+    def __init__(self, source, manifest, has, on_ready, on_exit=None):
+        self.source, self.manifest, self.has, self.on_ready, self.on_exit = source, manifest, has, on_ready, on_exit
+        self.digest = chunk_hasher(manifest.hash)
+        self.group = max(1, getattr(source, "concurrency", GROUP))
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.ready: dict[int, bytearray] = {}  # read and verified, not yet taken by the loop
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="p2pw-origin", daemon=True)
+        self.thread.start()
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this source read from the origin (all readers of one ``S3`` client count together)."""
+        return self.source.bytes_read
+
+    def share(self, chunks) -> None:
+        """Read ``chunks`` (the loop's thread: from a SHARE)."""
+        self.requests.put(list(chunks))
+
+    def take(self, index: int):
+        """The verified bytes of chunk ``index``, once (the loop's thread)."""
+        return self.ready.pop(index, None)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.requests.put(None)
+
+    def _run(self) -> None:
+        try:
+            while (todo := self.requests.get()) is not None:
+                todo = [i for i in todo if not self.has(i)]
+                for k in range(0, len(todo), self.group):
+                    if self.stopping:
+                        return
+                    self._read(todo[k:k + self.group])
+        finally:
+            if self.on_exit:
+                self.on_exit()
+
+    def _read(self, chunks: list[int]) -> None:
+        bufs = {}
+        for i in chunks:
+            lo, hi = self.manifest.chunk_span(i)
+            bufs[i] = bytearray(hi - lo)
+        for i, ok in self.source.read_chunks(self.manifest, chunks, lambda i: memoryview(bufs[i]), self.digest):
+            if ok:
+                self.ready[i] = bufs[i]
+            self.on_ready(i, ok)
+
+
+def attach(node, source) -> None:
+    """Make ``node`` an origin reader of ``source``: the shares the tracker hands it are read from there."""
+    tx = node.ctx.socket(zmq.PUSH)  # used (and closed) only by the reader's thread from here on
+    tx.setsockopt(zmq.LINGER, 0)
+    tx.connect(node.inbox_addr)
+    node.origin = OriginReader(source, node.manifest, node.store.has,
+                               lambda i, ok: tx.send_multipart([b"origin", READY.pack(i, ok)]), on_exit=tx.close)
+
+
+def landed(node, index: int, ok: bool) -> None:
+    """Chunk ``index`` of ``node``'s share was read from the origin (``ok``: it matched the manifest), on the
+    loop: into the store unless a peer's copy came first, published, reported to the tracker."""
+    data = node.origin.take(index) if node.origin is not None else None
+    if not ok or data is None:
+        log.error("chunk %d read from the origin does not match the manifest (or could not be read): not "
+                  "serving it", index)
+        return
+    store = node.store
+    if not store.has(index):
+        try:
+            if store.writable and store.in_place:
+                store.chunk(index)[:] = data
+            elif store.writable:
+                store.write(index, memoryview(data))
+        except OSError as e:
+            node._fail(f"writing chunk {index} into the local copy failed: {e.strerror or e}")
+            return
+        node.stats.origin_chunks += 1
+        node.publish(index)
+    if node.member is not None:
+        node.member.read(index)

@@ -1,0 +1,59 @@
+"""Rootless tracker: one model's swarm at a standalone tracker, where no seeder is rank 0 (pure).
+
+Placement, partners, demotion, leaving and repair are the ``Tracker``'s.  Rank 0
+(the root of every stripe tree) is nobody here: a peer under it in a stripe
+(that stripe's root) has no planned source there, and pulls the stripe from
+its partners (``pull``: an orphaned stripe is shared by its holders).  The
+origin readers (``shares``) are where new chunks appear: each is made a
+partner of every stripe's root and of the other readers, up to
+``MAX_FEEDERS`` of them, listed as feeding nobody downstream (help asks the
+cheapest partners first, and a reader's share is what everyone lacks).  The
+seeder's uplink, lent at the end in a seeded swarm, does not exist.
+"""
+from __future__ import annotations
+
+from .tracker import ROOT, Member, Tracker
+
+MAX_FEEDERS = 8  # origin readers one peer is made a partner of
+
+
+class RootlessTracker(Tracker):
+    """Membership and placement of a swarm with no seeder; ``readers``: the members reading the origin."""
+
+    def __init__(self, topology, root_listen: str = "", **kw):
+        super().__init__(topology, root_listen, **kw)
+        self.loan.open = False  # no seeder to lend
+        self.readers: set[int] = set()
+
+    def _live_readers(self) -> list[int]:
+        return sorted(r for r in self.readers if r in self.members and not self.members[r].left)
+
+    def _fed(self) -> list[int]:
+        """Live members that take a stripe from nobody (each stripe's root), and the readers."""
+        roots = [r for r in self.roster.live if ROOT in self.members[r].parents]
+        return sorted({*roots, *self._live_readers()})
+
+    def add_reader(self, rank: int) -> None:
+        """Member ``rank`` reads the origin: the stripes' roots and the other readers are told of it."""
+        if rank not in self.readers:
+            self.readers.add(rank)
+            self.moved.extend(r for r in self._fed() if r != rank)
+
+    def drop_reader(self, rank: int) -> None:
+        self.readers.discard(rank)
+
+    def parent_addrs(self, member: Member) -> list[dict]:
+        """Planned sources, none under rank 0: that stripe is taken from partners."""
+        return [p for p in super().parent_addrs(member) if p["rank"] != ROOT]
+
+    def partner_addrs(self, member: Member) -> list[dict]:
+        """Partners, and for a stripe's root or a reader, the origin readers besides (``MAX_FEEDERS``)."""
+        out = super().partner_addrs(member)
+        if member.rank not in self.readers and ROOT not in member.parents:
+            return out
+        listed = {p["rank"] for p in out} | {member.rank}
+        for r in self._live_readers()[:MAX_FEEDERS]:
+            if r not in listed:
+                out.append({"rank": r, "addr": self.listen_of(r), "ticket": self.seal.ticket(r, member.rank),
+                            "downstream": 0})
+        return out
