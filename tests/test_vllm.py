@@ -66,7 +66,7 @@ def finish(p: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> tuple[int, str]
 def run(argv, env, timeout: float = RUN_TIMEOUT) -> tuple[dict, str]:
     """Run engine.py to the end; its RESULT line and its output."""
     code, out = finish(start([ENGINE, *argv], env), timeout)
-    assert code == 0, out[-6000:]
+    assert code == 0, out[-20000:]
     found = re.search(r"^RESULT (.*)$", out, re.M)
     assert found, out[-6000:]
     return json.loads(found.group(1)), out
