@@ -14,15 +14,15 @@ peers the tracker placed with it, and a stranger cannot take its child slots.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
+from _blake2 import blake2b  # keyed BLAKE2b is a MAC; hashlib and hmac would load OpenSSL, 2 ms of a join's start
+from _operator import _compare_digest as compare_digest  # what hmac.compare_digest is without OpenSSL
 
 SECRET_BYTES = 16  # a secret or ticket: 32 hex digits
 
 
 def _mac(key: bytes, text: str) -> str:
-    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()[:2 * SECRET_BYTES]
+    return blake2b(text.encode(), key=key[:64], digest_size=SECRET_BYTES).hexdigest()
 
 
 def ticket_for(secret: str, rank: int) -> str:
@@ -33,7 +33,7 @@ def ticket_for(secret: str, rank: int) -> str:
 def ticket_ok(secret: str | None, rank, ticket) -> bool:
     """Whether ``ticket`` (from an ATTACH) admits ``rank`` at the node holding ``secret``."""
     return (secret is not None and type(rank) is int and isinstance(ticket, str)
-            and hmac.compare_digest(ticket_for(secret, rank), ticket))
+            and compare_digest(ticket_for(secret, rank), ticket))
 
 
 class Seal:
@@ -48,7 +48,7 @@ class Seal:
 
     def proves(self, rank, secret) -> bool:
         """Whether ``secret`` is member ``rank``'s."""
-        return type(rank) is int and isinstance(secret, str) and hmac.compare_digest(self.secret(rank), secret)
+        return type(rank) is int and isinstance(secret, str) and compare_digest(self.secret(rank), secret)
 
     def ticket(self, parent: int, child: int) -> str:
         """What ``child`` shows ``parent`` at ATTACH."""
