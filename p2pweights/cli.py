@@ -295,10 +295,9 @@ def cmd_join(args) -> int:
                          **limits(args))
     dl = start()
     if getattr(dl, "attached", False):  # another process on this host is writing --out: follow it
-        follow_local(dl, args)
-        if not args.stay:
+        if not follow_local(dl, args):
             return 0
-        dl = start()  # complete now: serve it
+        dl = start()  # complete now (--stay): serve it
     bind(http, dl)
     bar = None if args.quiet else Progress(dl, every=args.progress_every)
     try:
@@ -349,8 +348,9 @@ def cmd_join(args) -> int:
     return 0
 
 
-def follow_local(dl, args) -> None:
-    """Wait for the copy another local process writes into --out (``localcopy.Attached``): one download per host."""
+def follow_local(dl, args) -> bool:
+    """Wait for the copy another local process writes into --out (``localcopy.Attached``): one download per host.
+    Whether to serve it now (--stay)."""
     say("attached", f"p2pw: another process on this host is downloading model {dl.model_id[:16]} into {dl.path}: "
         "following its progress, fetching nothing", model_id=dl.model_id, path=dl.path)
     try:
@@ -363,6 +363,7 @@ def follow_local(dl, args) -> None:
     tell_path(dl.path)
     write_json(args.report, {"model_id": dl.model_id, "path": dl.path, "bytes": dl.manifest.total_size,
                              "received": 0, "seconds": secs, "local": True, "attached": True})
+    return bool(args.stay)
 
 
 def cmd_tracker(args) -> int:
