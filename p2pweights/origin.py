@@ -198,7 +198,7 @@ def member_of(s, tracker: str, *, host: str, port: int, advertise: str | None, w
         me = parse_addr(advertise, s.port)[0] if advertise else local_ip_towards(t_host)
         publish(tracker, s.url, s.manifest, key, connect_timeout, s.ctx)
         hello = {"peer_id": f"seeder-{os.uname().nodename}-{os.urandom(4).hex()}", "listen": f"{me}:{s.port}",
-                 "model_id": s.model_id, "origin": True}
+                 "model_id": s.model_id, "origin": True, "pulls": False}
         link, tracker_addr, welcome, _ = _handshake(s.ctx, tracker, hello, s.model_id, connect_timeout, key)
     except BaseException:
         s.gate and s.gate.stop()

@@ -56,6 +56,10 @@ class Swarm:
             if m is None or m.left:
                 self.shares.gone(rank)
                 t.drop_reader(rank)
+        if self.shares.orphans:  # read by readers that left: read again if nobody holds all and one still pulls
+            live = [t.members[r] for r in t.roster.live if r not in t.sources]
+            if not any(m.done for m in live) and any(not m.done for m in live):
+                self.shares.reclaim()
         hungry = [r for r in self.shares.readers if self.shares.hungry(r)]
         complete = bool(hungry) and any(m.done and not m.left for m in t.members.values())
         for rank in hungry:
@@ -172,6 +176,8 @@ class Registry:
         self.conns[ident] = mid
         s.used = self.clock()
         rank = s.endpoint.members[ident]
+        if f.get("pulls") is False:
+            s.tracker.pulls_nothing(rank)
         if f.get("origin") is True:
             s.shares.register(rank)
             s.tracker.add_reader(rank)

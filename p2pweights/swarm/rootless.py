@@ -24,6 +24,7 @@ class RootlessTracker(Tracker):
         super().__init__(topology, root_listen, **kw)
         self.loan.open = False  # no seeder to lend
         self.readers: set[int] = set()
+        self.sources: set[int] = set()  # members that pull nothing (a seeder among peers): leaves nobody waits for
 
     def _live_readers(self) -> list[int]:
         return sorted(r for r in self.readers if r in self.members and not self.members[r].left)
@@ -41,6 +42,30 @@ class RootlessTracker(Tracker):
 
     def drop_reader(self, rank: int) -> None:
         self.readers.discard(rank)
+
+    def pulls_nothing(self, rank: int) -> None:
+        """Member ``rank`` serves what it reads and pulls nothing: a leaf everywhere (its stripe is forwarded by
+        peers that take it whole), and no peer waits for it to leave."""
+        if rank not in self.sources and rank in self.members:
+            self.sources.add(rank)
+            self._note(self.topology.demote(rank))
+
+    def leave(self, rank: int) -> list[int]:
+        """As ``Tracker.leave``; and with no seeder to fall back on, the last member holding every chunk stays
+        while a member that pulls still lacks some (a chunk read by one reader may be nowhere else)."""
+        m = self._member(rank)
+        if not m.left and m.done:
+            others = [self.members[r] for r in self.roster.live if r != rank and r not in self.sources]
+            unfinished = [x.rank for x in others if not x.done]
+            if unfinished and not any(x.done for x in others):
+                return unfinished[:MAX_FEEDERS]
+        return super().leave(rank)
+
+    def dependents(self, rank: int) -> list[int]:
+        return [r for r in super().dependents(rank) if r not in self.sources]
+
+    def _unfinished_partners(self, m: Member) -> list[int]:
+        return [r for r in super()._unfinished_partners(m) if r not in self.sources]
 
     def parent_addrs(self, member: Member) -> list[dict]:
         """Planned sources, none under rank 0: that stripe is taken from partners."""

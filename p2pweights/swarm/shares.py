@@ -33,6 +33,8 @@ class OriginShares:
         self.read = 0  # reported held by some reader
         self.out: dict[int, int] = {}  # reader rank -> handed to it, not yet reported held
         self.handed = 0  # chunks handed out in all (a chunk handed again after its reader went counts twice)
+        self.read_by: dict[int, int] = {}  # reader rank -> what it reported held
+        self.orphans = 0  # read only by readers that left since (their peers may hold them, or nobody)
 
     @property
     def readers(self) -> list[int]:
@@ -47,12 +49,29 @@ class OriginShares:
         bits = bitset_of(i for i in chunks if 0 <= i < self.n)
         self.read |= bits
         self.pool &= ~bits
+        self.orphans &= ~bits
         if rank in self.out:
             self.out[rank] &= ~bits
+            self.read_by[rank] = self.read_by.get(rank, 0) | bits
 
     def gone(self, rank: int) -> None:
-        """Reader ``rank`` left: what it had not read goes back to the pool."""
+        """Reader ``rank`` left: what it had not read goes back to the pool; what it alone read is an orphan."""
         self.pool |= self.out.pop(rank, 0) & ~self.read
+        self.orphans |= self.read_by.pop(rank, 0) & ~self._live_reads()
+
+    def _live_reads(self) -> int:
+        bits = 0
+        for b in self.read_by.values():
+            bits |= b
+        return bits
+
+    def reclaim(self) -> None:
+        """No member holds every chunk and one still pulls: the orphans go back to the pool, to be read again
+        (the peers that took them from their reader may have left too; nobody can tell)."""
+        back = self.orphans & ~self._live_reads()
+        self.pool |= back
+        self.read &= ~back
+        self.orphans = 0
 
     def hungry(self, rank: int) -> bool:
         """Whether reader ``rank`` is at most half through its share while the pool holds more."""

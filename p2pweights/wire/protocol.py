@@ -89,7 +89,7 @@ class VersionMismatch(ProtocolError):
 
 
 class Msg(IntEnum):
-    HELLO = 1       # joiner -> any node: {peer_id, listen, model_id?, have?, rank?, secret?, origin?}
+    HELLO = 1       # joiner -> any node: {peer_id, listen, model_id?, have?, rank?, secret?, origin?, pulls?}
     WELCOME = 2     # tracker -> joiner: {rank, parents, stripes, tracker, secret?, partners?} + manifest frame
     REDIRECT = 3    # node -> joiner: {tracker}
     ERROR = 4       # any -> any: {message, fatal}
@@ -163,8 +163,9 @@ def _addr(what: str, addr, empty: bool = True) -> None:
 def _hello(f: dict) -> None:
     _names(f, "peer_id", "model_id", "secret")
     _addr("listen address", f["listen"], empty=False)
-    if "origin" in f and type(f["origin"]) is not bool:
-        raise ProtocolError("'origin' is not true or false")
+    for flag in ("origin", "pulls"):
+        if flag in f and type(f[flag]) is not bool:
+            raise ProtocolError(f"{flag!r} is not true or false")
 
 
 def _chunks(f: dict) -> None:
