@@ -74,21 +74,22 @@ def host_path_of(workload: dict, container: dict, path: str) -> str:
 
 def test_every_manifest_parses_and_is_a_known_kind():
     kinds = sorted(d["kind"] for d in docs())
-    assert kinds == ["DaemonSet", "Deployment", "Secret", "Service", "Service", "StatefulSet"]
+    assert kinds == ["DaemonSet", "DaemonSet", "Deployment", "Deployment", "Job", "Secret", "Service", "Service",
+                     "Service", "StatefulSet"]
     for d in docs():
         assert d["apiVersion"] and d["metadata"]["name"]
 
 
 def test_every_p2pw_command_line_parses_with_p2pws_own_parser():
     seen = []
-    for w in [*by_kind("StatefulSet"), *by_kind("DaemonSet"), *by_kind("Deployment")]:
+    for w in [*by_kind("StatefulSet"), *by_kind("DaemonSet"), *by_kind("Deployment"), *by_kind("Job")]:
         for c in containers(w):
             args = p2pw_args(c)
             if args is not None:
                 seen.append(args.command)
                 if getattr(args, "http", None):
                     parse_http_addr(args.http)
-    assert sorted(seen) == ["join", "seed"]
+    assert sorted(seen) == ["get", "join", "manifest", "seed", "tracker"]
 
 
 def test_seeder_is_one_replica_behind_a_headless_service_and_joiners_find_it():
@@ -112,7 +113,8 @@ def test_seeder_is_one_replica_behind_a_headless_service_and_joiners_find_it():
 
 
 def test_probes_and_metrics_ports_agree_with_http_flags():
-    for w in (one("StatefulSet", "p2pw-seeder"), one("DaemonSet", "p2pw-prewarm")):
+    for w in (one("StatefulSet", "p2pw-seeder"), one("DaemonSet", "p2pw-prewarm"), one("Deployment", "p2pw-tracker"),
+              one("DaemonSet", "p2pw-get")):
         c = pod_spec(w)["containers"][0]
         args = p2pw_args(c)
         _, http_port = parse_http_addr(args.http)
@@ -160,7 +162,8 @@ def test_the_fleet_key_secret_is_mounted_where_key_points():
     secret = one("Secret", "p2pw-fleet-key")
     assert set(secret["stringData"]) == {"fleet.key", "fleet.key_secret"}
     images = set()
-    for w in (one("StatefulSet", "p2pw-seeder"), one("DaemonSet", "p2pw-prewarm")):
+    for w in (one("StatefulSet", "p2pw-seeder"), one("DaemonSet", "p2pw-prewarm"), one("Deployment", "p2pw-tracker"),
+              one("DaemonSet", "p2pw-get")):
         c = pod_spec(w)["containers"][0]
         images.add(c["image"])
         vols = {v["name"]: v for v in pod_spec(w)["volumes"]}
@@ -169,3 +172,23 @@ def test_the_fleet_key_secret_is_mounted_where_key_points():
     assert len(images) == 1  # one p2pw image (examples/kubernetes/Dockerfile)
     with open(os.path.join(DIR, "Dockerfile")) as f:
         assert "p2pw" in f.read()
+
+
+def test_the_tracker_runs_alone_behind_a_service_and_every_node_gets_from_it():
+    dep, svc = one("Deployment", "p2pw-tracker"), one("Service", "p2pw-tracker")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    c = pod_spec(dep)["containers"][0]
+    tracker = p2pw_args(c)
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert port_number(c, ports["tracker"]["targetPort"]) == tracker.port == ports["tracker"]["port"]
+    assert port_number(c, ports["probe"]["targetPort"]) == tracker.probe_port == ports["probe"]["port"]
+    where = f"{svc['metadata']['name']}:{tracker.port}"
+    publish = p2pw_args(pod_spec(one("Job", "p2pw-publish-llama-3-8b"))["containers"][0])
+    ds = one("DaemonSet", "p2pw-get")
+    get = p2pw_args(pod_spec(ds)["containers"][0])
+    assert publish.tracker == get.tracker == where  # the manifest is published where every node asks
+    assert publish.path == get.url and get.url.startswith("s3://")
+    assert get.stay and get.key == tracker.key == publish.key
+    assert "nvidia.com/gpu.present" in pod_spec(ds)["nodeSelector"]
+    host_path_of(ds, pod_spec(ds)["containers"][0], get.out)  # on a hostPath volume
