@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import time
 
 import zmq
@@ -323,6 +324,33 @@ class Download:
     @property
     def stats(self):
         return self.node.stats
+
+    def threads(self) -> dict:
+        """CPU seconds of this process's threads by role so far: ``loop`` (the node's event loop), ``zmq_io``
+        (libzmq's I/O threads), ``workers`` (byte-path threads off the loop), ``finisher`` (fsyncs and renames),
+        ``main`` and ``other`` (threads that have ended among them); ``loop_us_per_chunk``: the loop's CPU
+        microseconds per chunk received."""
+        roles = dict.fromkeys(("loop", "zmq_io", "workers", "finisher", "main", "other"), 0.0)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        roles["other"] = usage.ru_utime + usage.ru_stime  # less each live thread's below: what ended threads used
+        loop = self.node.thread.native_id if self.node.thread is not None else None
+        tick = os.sysconf("SC_CLK_TCK")
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    comm, fields = f.read().rsplit(")", 1)
+            except OSError:
+                continue  # ended meanwhile
+            comm, cpu = comm.partition("(")[2], sum(map(int, fields.split()[11:13])) / tick
+            role = ("loop" if int(tid) == loop else "main" if int(tid) == os.getpid() else
+                    "zmq_io" if comm.startswith("ZMQbg/IO") else "workers" if comm.startswith("p2pw-worker") else
+                    "finisher" if comm.startswith("p2pw-finish") else "other")
+            roles[role] += cpu
+            roles["other"] -= cpu
+        roles["other"] = max(roles["other"], 0.0)  # (clock ticks against microseconds)
+        got = self.node.stats.chunks_received
+        return {"threads": {k: round(v, 3) for k, v in roles.items()},
+                "loop_us_per_chunk": round(roles["loop"] * 1e6 / got, 1) if got else None}
 
     @property
     def progress(self) -> dict:
@@ -676,12 +704,23 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         lock and lock.release()
         raise
     node.start()
+    _name_thread(node.thread.native_id, "p2pw-loop")
+    cache and cache.thread and _name_thread(cache.thread.native_id, "p2pw-finish")
     dl = Download(node, store, cache, welcome, started, hello["listen"])
     dl.loader = loader
     dl.gate = gate
     dl.path, dl.lock, dl.model_cache = target, lock, model_cache
     dl.finishing = [lambda: _finished(dl, layout)]
     return dl
+
+
+def _name_thread(tid: int, name: str) -> None:
+    """Name thread ``tid`` of this process as ``top`` and /proc show it (best effort)."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
 
 
 def _checked(model_id, device, parent: str, advertise):

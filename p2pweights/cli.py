@@ -329,6 +329,7 @@ def cmd_join(args) -> int:
                              "reparented": st.reparented, "switches": st.switches, "duplicates": st.duplicates,
                              "write_cpu_seconds": round(dl.store.write_seconds, 3),
                              "ring": dl.store.ring.report() if dl.store.ring is not None else None,
+                             **dl.threads(),  # threads (CPU seconds by role), loop_us_per_chunk
                              "path": dl.snapshot or dl.path,
                              # wall clock (epoch s) of join() and of the last verified chunk, for benchmarks
                              # that compare peers in separate processes against one common start

@@ -170,6 +170,19 @@ def marker_matches(manifest, out: str, paths: list[str] | None = None) -> bool:
     return True
 
 
+MEMORY_FS = (0x01021994, 0x858458F6)  # statfs f_type of tmpfs and ramfs: a file's pages are its only copy
+
+
+def memory_backed(path: str) -> bool:
+    """Whether ``path`` is on a filesystem kept in memory (tmpfs, ramfs: /dev/shm, an ``emptyDir`` with
+    ``medium: Memory``), where the page cache is the copy itself: ``O_DIRECT`` there is one more memory copy,
+    not a way around one."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value in MEMORY_FS
+
+
 def open_direct(paths: list[str]) -> dict[int, int]:
     """``paths`` opened for O_DIRECT writes (index -> fd); none where the filesystem refuses it (tmpfs)."""
     fds: dict[int, int] = {}
