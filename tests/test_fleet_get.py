@@ -114,11 +114,11 @@ def test_a_tracker_restarted_mid_broadcast_loses_nobody(procs, tmp_path):
     publish(port, model)
     # one seeder reads the origin, slowly (each chunk it sends waits 150 ms); two hosts take it from the swarm
     seeder = procs.start("seed", model, "--tracker", f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", 0,
-                         env={"P2PW_FAULTS": "delay_send=150"})
+                         "--chunk-size", CHUNK, env={"P2PW_FAULTS": "delay_send=150"})  # the manifest published
     joined = [get(procs, model, port, tmp_path / f"p{k}", "--no-origin") for k in range(2)]
     deadline = time.monotonic() + 60
     while not progress(tmp_path / "p0").get("bytes"):
-        assert time.monotonic() < deadline and joined[0].popen.poll() is None, joined[0].output()
+        assert time.monotonic() < deadline and joined[0].popen.poll() is None, (joined[0].output(), seeder.output())
         time.sleep(0.1)
     assert joined[0].popen.poll() is None  # mid-broadcast: chunks arrived, the copy is not complete
     os.kill(tracker.pid, signal.SIGKILL)

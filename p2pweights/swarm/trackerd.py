@@ -61,6 +61,7 @@ class TrackerServer:
                         if not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                             break
                         self._receive()
+                self._flush()  # before the timers: a joiner hears WELCOME before any heartbeat
                 self._tick(self.clock())
                 self._flush()
         except Exception as e:  # a bug: end loudly rather than serve nobody
