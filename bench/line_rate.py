@@ -309,7 +309,7 @@ def p2pw_run(mode: str, src: str, dests: list[str], chunk: int, pin, sampler, tm
     procs_cpu = {"seeder": roles(sampler.seen[seed.pid], seed.pid, before)}
     for k, (p, doc) in enumerate(zip(procs, docs)):
         procs_cpu[f"join{k}"] = doc.get("threads") or roles(sampler.seen[p.pid], p.pid)
-    return {"seconds": secs, "cpu": procs_cpu,
+    return {"seconds": secs, "cpu": procs_cpu, "ring": [d.get("ring") for d in docs],
             "loop_us_per_chunk": [d.get("loop_us_per_chunk") for d in docs]}
 
 
@@ -400,10 +400,13 @@ def summarise(case: dict, total: int) -> list[str]:
     lines = [f"| {case['size']} | {case['where']} | {case['mode']} | {spread(ps)} | {spread(rs)} | "
              f"{spread(ratios)} | {total / statistics.median(ps) / 1e9:.2f} | {total / statistics.median(rs) / 1e9:.2f} |"]
     loops = [u for x in p for u in x["loop_us_per_chunk"] if u is not None]
+    rings = [g for x in p for g in x.get("ring", []) if g]
+    served = (f"; chunks served from ring slots {sum(g['sent_from_slots'] for g in rings)}, from the files "
+              f"{sum(g['sent_from_files'] for g in rings)}" if rings else "")
     cpu = {**per_gb(p, total), **per_gb(r, total)}
     lines.append("    CPU s/GB by thread: " + "; ".join(
         f"{proc}: " + ", ".join(f"{k} {v}" for k, v in sorted(rs.items(), key=lambda kv: -float(kv[1])))
-        for proc, rs in cpu.items()) + (f"; loop µs/chunk {spread(loops, '{:.0f}')}" if loops else ""))
+        for proc, rs in cpu.items()) + (f"; loop µs/chunk {spread(loops, '{:.0f}')}" if loops else "") + served)
     return lines
 
 
