@@ -179,9 +179,12 @@ MEMORY_FS = (0x01021994, 0x858458F6)  # statfs f_type of tmpfs and ramfs: a file
 
 
 def memory_backed(path: str) -> bool:
-    """Whether ``path`` is on a filesystem kept in memory (tmpfs, ramfs: /dev/shm, an ``emptyDir`` with
-    ``medium: Memory``), where the page cache is the copy itself: ``O_DIRECT`` there is one more memory copy,
-    not a way around one."""
+    """Whether ``path`` (or, not made yet, its nearest existing parent) is on a filesystem kept in memory
+    (tmpfs, ramfs: /dev/shm, an ``emptyDir`` with ``medium: Memory``), where the page cache is the copy
+    itself: ``O_DIRECT`` there is one more memory copy, not a way around one."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
     buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field
     if _libc.statfs(os.fsencode(path), buf) != 0:
         return False
