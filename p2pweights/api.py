@@ -638,7 +638,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
          key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT,
          give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None,
          cache: ModelCache | None = None, hf_cache: str | None = None, retry_now: bool = False,
-         trace: bool = False, origin=None, **limits) -> Download | Attached:
+         trace: bool = False, origin=None, agent: str | None = None, **limits) -> Download | Attached:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.  ``out``: write the checkpoint's files
@@ -659,7 +659,14 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
 
     One download per folder on a host: while another local process writes ``out`` (``localcopy``), this returns an
     ``Attached`` that reads that copy's files as they are verified, fetching nothing.
+
+    ``agent`` (the node agent's cache directory, ``p2pw agent --cache DIR``): ask the agent for ``model_id`` (else
+    ``parent``, a URL or a model id) and return an ``Attached`` to its copy; the agent fetches it once for the host.
     """
+    if agent is not None:
+        from .storage.agentcopy import through_agent
+
+        return through_agent(agent, model_id or parent, model_id, device)
     started = time.monotonic()
     where = _destination(out, cache, hf_cache)
     if model_id is not None and cache is not None and not retry_now:
@@ -668,15 +675,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     held = claim_copy(out, model_id) if out is not None else None  # the folder's writer, reader or neither
     if held is not None and held.mode == "attach":
         return Attached(out, model_id, device)
-    ctx = zmq.Context()
-    gate = keys.gate(ctx, key)
-    try:
-        router, my_port = bind_router(ctx, host, port, key)
-    except P2PError:
-        gate and gate.stop()
-        ctx.term()
-        held and held.release()
-        raise
+    ctx, gate, router, my_port = _bound(host, port, key, held)
     me = advertise or local_ip_towards(p_host)
     peer_id = peer_id or f"{os.uname().nodename}-{os.urandom(4).hex()}"
     hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id, **(origin.hello if origin else {})}
@@ -712,6 +711,21 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     dl.path, dl.lock, dl.model_cache = target, lock, model_cache
     dl.finishing = [lambda: _finished(dl, layout)]
     return dl
+
+
+def _bound(host: str, port: int, key, held):
+    """A join's context, its ZAP gate (keyed) and its router listening on ``host:port``; ``held`` (the copy's
+    claim) is let go if the port cannot be had."""
+    ctx = zmq.Context()
+    gate = keys.gate(ctx, key)
+    try:
+        router, my_port = bind_router(ctx, host, port, key)
+    except P2PError:
+        gate and gate.stop()
+        ctx.term()
+        held and held.release()
+        raise
+    return ctx, gate, router, my_port
 
 
 def _name_thread(tid: int, name: str) -> None:

@@ -395,7 +395,15 @@ def cmd_tracker(args) -> int:
 def cmd_get(args) -> int:
     from .api import join
     from .origin import Origin, find, open_source
+    from .wire.local import agent_dir
 
+    agent = agent_dir(args.agent)
+    if agent is not None and not args.tracker:  # the node's agent fetches it, once for every local process
+        from .agent.command import cmd_get_via_agent
+
+        return cmd_get_via_agent(args, agent)
+    if not args.tracker:
+        raise UserError("give --tracker HOST[:PORT], or --agent DIR (or P2PW_AGENT) for the node's agent")
     key = load_key(args.key)
     m = find(args.tracker, args.url, key, wait=args.connect_timeout, published=args.manifest,
              model_id=args.model_id)
@@ -792,9 +800,13 @@ def _tracker_parser(sub) -> None:
 def _get_parser(sub) -> None:
     g = sub.add_parser("get", help="download a model from its origin's swarm at a standalone tracker, reading "
                                    "a share of the origin where this host can")
-    g.add_argument("url", help="the origin: s3://BUCKET/PREFIX, a path every host sees, or ORG/NAME[@REVISION] "
-                               "in the local Hugging Face cache (as published to the tracker)")
-    g.add_argument("--tracker", required=True, metavar="HOST[:PORT]", help="the standalone tracker (p2pw tracker)")
+    g.add_argument("url", metavar="URL|MODEL_ID", help="the origin: s3://BUCKET/PREFIX, a path every host sees, or "
+                   "ORG/NAME[@REVISION] in the local Hugging Face cache (as published to the tracker); with --agent, "
+                   "also a model id")
+    g.add_argument("--tracker", metavar="HOST[:PORT]", help="the standalone tracker (p2pw tracker)")
+    g.add_argument("--agent", metavar="DIR", help="ask the node's agent (p2pw agent --cache DIR; default: "
+                                                  "P2PW_AGENT) and print its verified copy's folder; --out links "
+                                                  "the files there")
     g.add_argument("--manifest", metavar="M", help="publish this manifest (p2pw manifest URL -o M) for URL if "
                                                    "the tracker has none")
     g.add_argument("--no-origin", action="store_true",
@@ -876,8 +888,14 @@ def _simulate_parser(sub) -> None:
     sim.set_defaults(func=cmd_simulate)
 
 
+def _agent_parser(sub) -> None:
+    from .agent.command import add_parser
+
+    add_parser(sub)
+
+
 COMMANDS = {"seed": _seed_parser, "join": _join_parser, "tracker": _tracker_parser, "get": _get_parser,
-            "status": _status_parser, "cache": _cache_parser,
+            "agent": _agent_parser, "status": _status_parser, "cache": _cache_parser,
             "pack": _pack_parser, "keygen": _keygen_parser, "manifest": _manifest_parser,
             "verify": _verify_parser, "demo": _demo_parser, "simulate": _simulate_parser}  # in --help's order
 

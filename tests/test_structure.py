@@ -14,7 +14,7 @@ LAYERS = (
     {"swarm"},
     {"api", "origin"},
     {"loaders", "hf"},
-    {"cli", "ops", "demo", "__main__"},
+    {"cli", "ops", "demo", "agent", "__main__"},
 )
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 

@@ -1,0 +1,74 @@
+"""The agent's decisions, pure: the pre-warm list, what may be evicted, how ready a model is."""
+from __future__ import annotations
+
+import os
+
+from ..storage.modelcache import Entry, EvictionPolicy
+
+STATES = ("starting", "fetching", "ready", "failed")
+
+
+def prewarm_lines(text: str) -> list[str]:
+    """The models a pre-warm file lists: one URL or model id a line, blank lines and ``#`` comments skipped,
+    each once in the order first listed."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and line not in out:
+            out.append(line)
+    return out
+
+
+def changes(old: list[str], new: list[str]) -> tuple[list[str], list[str]]:
+    """``(added, removed)`` between two pre-warm lists."""
+    return [x for x in new if x not in old], [x for x in old if x not in new]
+
+
+class PrewarmFile:
+    """A pre-warm file watched by its mtime and size (a ConfigMap mounted as a file is replaced by a rename);
+    ``poll`` returns the new list when it changed, else None.  A file that vanished lists nothing."""
+
+    def __init__(self, path: str):
+        self.path, self.seen, self.lines = path, None, []
+
+    def poll(self) -> list[str] | None:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        if stamp == self.seen:
+            return None
+        self.seen = stamp
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                lines = prewarm_lines(f.read())
+        except OSError:
+            lines = []
+        if lines == self.lines:
+            return None
+        self.lines = lines
+        return lines
+
+
+def victims(entries: list[Entry], kept: set[str], closable: set[str], incoming: int, budget: int,
+            policy: EvictionPolicy) -> list[Entry] | None:
+    """The cache entries to evict so ``incoming`` bytes fit under ``budget`` (None: it cannot be done).
+
+    The agent itself holds every model it serves, so the cache sees each as in use: a model the agent serves
+    (``closable``) counts as unused unless it is ``kept`` (on the pre-warm list, or still being fetched);
+    copies another process holds stay in use.  Among the rest, the cache's own policy chooses."""
+    seen = []
+    for e in entries:
+        free = e.model_id in closable and e.model_id not in kept
+        seen.append(Entry(e.model_id, e.bytes, e.uses, e.fetch_seconds, e.complete,
+                          in_use=(e.in_use and not free) or e.model_id in kept, owned=e.owned, path=e.path,
+                          name=e.name, layout=e.layout))
+    return policy.victims(seen, incoming, budget)
+
+
+def readiness(lines: dict[str, str]) -> tuple[bool, dict]:
+    """``(ready, waiting)`` of the agent as a whole, from the state of each pre-warm line's model: ready once
+    every one is; ``waiting`` maps each line that is not to its state."""
+    waiting = {line: state for line, state in lines.items() if state != "ready"}
+    return not waiting, waiting
