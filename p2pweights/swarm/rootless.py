@@ -61,6 +61,12 @@ class RootlessTracker(Tracker):
                 return unfinished[:MAX_FEEDERS]
         return super().leave(rank)
 
+    def partners_first(self, m: Member) -> list[int]:
+        """A late arrival partners with the members holding every chunk first, those feeding the fewest
+        unfinished partners first: its backlog comes from every complete uplink at once (an agent's copy stays
+        for ever), not from one partner still downloading.  The holders are the ones ``leave`` keeps."""
+        return complete_holders(self.members, self.roster.live, m.rank)
+
     def dependents(self, rank: int) -> list[int]:
         return [r for r in super().dependents(rank) if r not in self.sources]
 
@@ -82,3 +88,12 @@ class RootlessTracker(Tracker):
                 out.append({"rank": r, "addr": self.listen_of(r), "ticket": self.seal.ticket(r, member.rank),
                             "downstream": 0})
         return out
+
+
+def complete_holders(members: dict[int, Member], live: list[int], rank: int) -> list[int]:
+    """Live members other than ``rank`` that hold every chunk, fewest unfinished partners first, then by rank."""
+    def load(r: int) -> int:
+        return sum(1 for p in members[r].partners if p in members and not members[p].done and not members[p].left)
+
+    return sorted((r for r in live if r != rank and members[r].done and not members[r].left),
+                  key=lambda r: (load(r), r))

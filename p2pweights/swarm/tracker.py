@@ -164,12 +164,15 @@ class Roster:
                 if not x.left and len(x.partners) < PARTNERS:
                     self.lonely.add(p)
 
-    def partner(self, m: Member) -> list[int]:
-        """Give newcomer ``m`` up to PARTNERS partners among the live peers, and it to them;
-        returns the others whose partners changed (each must be told)."""
+    def partner(self, m: Member, first: list[int] = ()) -> list[int]:
+        """Give newcomer ``m`` up to PARTNERS partners among the live peers, and it to them, those in
+        ``first`` before any other; returns the others whose partners changed (each must be told)."""
         skip, told = {m.rank, *m.parents}, []
         full = lambda r: len(self.members[r].partners) >= MAX_PARTNERS  # noqa: E731
-        for r in _sample(self.rng, self.live, PARTNERS, skip, full):
+        for r in first[:PARTNERS]:
+            told += self._link(m.rank, r)
+        skip.update(m.partners)
+        for r in _sample(self.rng, self.live, max(PARTNERS - len(m.partners), 0), skip, full):
             told += self._link(m.rank, r)
         for r in sorted(self.lonely - skip):  # early peers had nobody to partner with: fill them up too
             if len(m.partners) >= MAX_PARTNERS:
@@ -340,8 +343,13 @@ class Tracker:
         self.pullers.assign(m, self._place(rank))
         self._note(moves)
         if self.placed:  # the swarm; a rule-based plan stays a pure tree, to compare against
-            self.moved.extend(self.roster.partner(m))
+            self.moved.extend(self.roster.partner(m, self.partners_first(m)))
         return m
+
+    def partners_first(self, m: Member) -> list[int]:
+        """Whom newcomer ``m`` partners with before a sample of the rest: nobody here (the seeder's own uplink is
+        lent to the last peers instead)."""
+        return []
 
     def silent(self, timeout: float) -> list[int]:
         """Live members not heard from for ``timeout`` seconds: each is to be dropped (``gone``)."""
