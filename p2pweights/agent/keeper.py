@@ -162,6 +162,12 @@ class Keeper:
         if getattr(dl, "attached", False):
             dl.close()
             raise P2PError(f"another process on this host writes {h.path}: the agent serves it once that one ends")
+        if manifest is None:  # known by id only: its size is known now
+            try:
+                self.make_room(dl.manifest)
+            except UserError:
+                dl.close()
+                raise
         return dl, origin
 
     def _finish(self, h: Held) -> None:
