@@ -20,6 +20,8 @@ Options (``--model-loader-extra-config`` JSON, else the environment):
 - ``key`` (``P2PW_KEY``): the fleet key directory, when links are keyed
 - ``linger`` (``P2PW_LINGER``, 0/1): keep serving the model to the swarm after loading
 - ``timeout`` (``P2PW_TIMEOUT``, seconds, default 600): the longest wait for any one tensor
+- ``agent`` (``P2PW_AGENT``): the node agent's cache directory; the weights come from the agent's copy of
+  ``model`` (``P2PW_MODEL``: its URL or id; default ``model_id``), which it fetches once for the host
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ log = logging.getLogger("vllm.p2pweights")
 
 LOAD_FORMAT = "p2pweights"
 OPTIONS = {"parent": "P2PW_PARENT", "model_id": "P2PW_MODEL_ID", "out": "P2PW_OUT", "key": "P2PW_KEY",
-           "linger": "P2PW_LINGER", "timeout": "P2PW_TIMEOUT"}
+           "linger": "P2PW_LINGER", "timeout": "P2PW_TIMEOUT", "agent": "P2PW_AGENT", "model": "P2PW_MODEL"}
 DEFAULT_TIMEOUT = 600.0
 WRITER_RETRIES = 3  # times a worker takes over a copy whose local writer stopped short
 _kept: list = []  # downloads lingering to serve the swarm after loading, for the life of the worker
@@ -72,7 +74,14 @@ def options(extra: dict | str | None, model_dir: str, env=os.environ) -> dict:
 
 def open_weights(opts: dict):
     """The copy's tensors: attached to this host's copy (complete, or written by another local process), else a
-    join of the swarm into ``out`` (``api.join``; it attaches itself if another process claimed meanwhile)."""
+    join of the swarm into ``out`` (``api.join``; it attaches itself if another process claimed meanwhile); with
+    ``agent``, the node agent's copy."""
+    if opts["agent"]:
+        if not (opts["model"] or opts["model_id"]):
+            raise LoaderOptionError("with agent (P2PW_AGENT), name the model: model (P2PW_MODEL, its URL or id) or "
+                                    "model_id (P2PW_MODEL_ID)")
+        return api.join(opts["model"] or opts["model_id"], agent=opts["agent"], model_id=opts["model_id"],
+                        device="cpu")
     try:
         return api.attach(opts["out"], opts["model_id"], device="cpu")
     except api.WriterGone:
