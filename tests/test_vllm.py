@@ -35,32 +35,41 @@ def env():
     shutil.rmtree(rpc, ignore_errors=True)
 
 
-def start(argv, env, **kw) -> subprocess.Popen:
-    """A process in a group of its own (vLLM starts an engine core and workers under it)."""
-    return subprocess.Popen([str(PYTHON), *map(str, argv)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+def start(argv, env, pipe: bool = False) -> subprocess.Popen:
+    """A process in a group of its own (vLLM starts an engine core and workers under it); its output goes to
+    a file (``p.log``), or a pipe with ``pipe``: an engine core outliving the engine must not hold a pipe open."""
+    log = None if pipe else tempfile.NamedTemporaryFile("w+", prefix="p2pw-vllm-", suffix=".log", delete=False)
+    p = subprocess.Popen([str(PYTHON), *map(str, argv)], env=env, stdout=subprocess.PIPE if pipe else log,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    p.log = log and log.name
+    if log:
+        log.close()
+    return p
 
 
 def end(p: subprocess.Popen) -> None:
-    """End ``p`` and whatever it started (its process group, by its PID)."""
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """End ``p`` and whatever it started (its process group, by its PID), whether or not ``p`` itself ended."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     p.wait(10)
 
 
 def finish(p: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> tuple[int, str]:
+    """Wait for ``p`` (a file-logged process) to exit, end its group, and return its exit status and output."""
     try:
-        out, _ = p.communicate(timeout=timeout)
+        p.wait(timeout)
     except subprocess.TimeoutExpired:
-        end(p)
-        out, _ = p.communicate()
-        pytest.fail(f"vLLM run still going after {timeout} s:\n{out[-4000:]}")
+        pass
     finally:
+        code = p.poll()
         end(p)
-    return p.returncode, out
+        out = Path(p.log).read_text(errors="replace")
+        os.unlink(p.log)
+    if code is None:
+        pytest.fail(f"vLLM run still going after {timeout} s:\n{out[-4000:]}")
+    return code, out
 
 
 def run(argv, env, timeout: float = RUN_TIMEOUT) -> tuple[dict, str]:
@@ -95,7 +104,7 @@ def seeder(env, tmp_path):
     def seed(path, faults: str | None = None) -> str:
         e = dict(env, **({"P2PW_FAULTS": faults} if faults else {}))
         p = start(["-m", "p2pweights", "seed", path, "--host", "127.0.0.1", "--port", "0", "--chunk-size", "262144"],
-                  e | {"P2PW_CACHE_DIR": str(tmp_path / "cache")})
+                  e | {"P2PW_CACHE_DIR": str(tmp_path / "cache")}, pipe=True)
         started.append(p)
         deadline = time.monotonic() + 60
         for line in p.stdout:
