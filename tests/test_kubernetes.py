@@ -74,8 +74,8 @@ def host_path_of(workload: dict, container: dict, path: str) -> str:
 
 def test_every_manifest_parses_and_is_a_known_kind():
     kinds = sorted(d["kind"] for d in docs())
-    assert kinds == ["DaemonSet", "DaemonSet", "Deployment", "Deployment", "Job", "Secret", "Service", "Service",
-                     "Service", "StatefulSet"]
+    assert kinds == ["ConfigMap", "DaemonSet", "DaemonSet", "DaemonSet", "Deployment", "Deployment", "Deployment",
+                     "Job", "Secret", "Service", "Service", "Service", "StatefulSet"]
     for d in docs():
         assert d["apiVersion"] and d["metadata"]["name"]
 
@@ -89,7 +89,7 @@ def test_every_p2pw_command_line_parses_with_p2pws_own_parser():
                 seen.append(args.command)
                 if getattr(args, "http", None):
                     parse_http_addr(args.http)
-    assert sorted(seen) == ["get", "join", "manifest", "seed", "tracker"]
+    assert sorted(seen) == ["agent", "get", "get", "join", "manifest", "seed", "tracker"]
 
 
 def test_seeder_is_one_replica_behind_a_headless_service_and_joiners_find_it():
@@ -114,7 +114,7 @@ def test_seeder_is_one_replica_behind_a_headless_service_and_joiners_find_it():
 
 def test_probes_and_metrics_ports_agree_with_http_flags():
     for w in (one("StatefulSet", "p2pw-seeder"), one("DaemonSet", "p2pw-prewarm"), one("Deployment", "p2pw-tracker"),
-              one("DaemonSet", "p2pw-get")):
+              one("DaemonSet", "p2pw-get"), one("DaemonSet", "p2pw-agent")):
         c = pod_spec(w)["containers"][0]
         args = p2pw_args(c)
         _, http_port = parse_http_addr(args.http)
@@ -163,7 +163,7 @@ def test_the_fleet_key_secret_is_mounted_where_key_points():
     assert set(secret["stringData"]) == {"fleet.key", "fleet.key_secret"}
     images = set()
     for w in (one("StatefulSet", "p2pw-seeder"), one("DaemonSet", "p2pw-prewarm"), one("Deployment", "p2pw-tracker"),
-              one("DaemonSet", "p2pw-get")):
+              one("DaemonSet", "p2pw-get"), one("DaemonSet", "p2pw-agent")):
         c = pod_spec(w)["containers"][0]
         images.add(c["image"])
         vols = {v["name"]: v for v in pod_spec(w)["volumes"]}
@@ -192,3 +192,51 @@ def test_the_tracker_runs_alone_behind_a_service_and_every_node_gets_from_it():
     assert get.stay and get.key == tracker.key == publish.key
     assert "nvidia.com/gpu.present" in pod_spec(ds)["nodeSelector"]
     host_path_of(ds, pod_spec(ds)["containers"][0], get.out)  # on a hostPath volume
+
+
+def test_the_agent_runs_on_gpu_nodes_with_the_prewarm_list_and_its_cache_on_the_host():
+    ds, cm, tracker = one("DaemonSet", "p2pw-agent"), one("ConfigMap", "p2pw-prewarm-list"), one("Service", "p2pw-tracker")
+    c = pod_spec(ds)["containers"][0]
+    agent = p2pw_args(c)
+    assert agent.command == "agent" and agent.tracker == f"{tracker['metadata']['name']}:7420"
+    assert "nvidia.com/gpu.present" in pod_spec(ds)["nodeSelector"]
+    host_path_of(ds, c, agent.cache)  # the node's cache outlives the pod
+    # the pre-warm file is the ConfigMap's key, mounted read-only
+    volumes = {v["name"]: v for v in pod_spec(ds)["volumes"]}
+    mount = next(m for m in c["volumeMounts"] if agent.prewarm.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert volumes[mount["name"]]["configMap"]["name"] == cm["metadata"]["name"] and mount.get("readOnly")
+    lines = [x for x in cm["data"][posixpath.basename(agent.prewarm)].splitlines() if x and not x.startswith("#")]
+    publish = p2pw_args(pod_spec(one("Job", "p2pw-publish-llama-3-8b"))["containers"][0])
+    assert lines == [publish.path]  # the URL the Job publishes at the tracker
+
+
+def test_vllm_loads_through_its_nodes_agent():
+    ds, dep = one("DaemonSet", "p2pw-agent"), one("Deployment", "vllm-llama-agent")
+    agent = p2pw_args(pod_spec(ds)["containers"][0])
+    init = pod_spec(dep)["initContainers"][0]
+    get = p2pw_args(init)
+    vllm = pod_spec(dep)["containers"][0]
+    env = {e["name"]: e["value"] for e in vllm["env"]}
+    agent_host = posixpath.normpath(host_path_of(ds, pod_spec(ds)["containers"][0], agent.cache))
+    # the init container and the loader find the same agent (its socket) on the node
+    assert {posixpath.normpath(host_path_of(dep, c, p)) for c, p in ((init, get.agent), (vllm, env["P2PW_AGENT"]))} == {
+        agent_host}
+    assert env["P2PW_MODEL"] == get.url and get.url in open(os.path.join(DIR, "agent-daemonset.yaml")).read()
+    # vLLM's --model is the folder the init container links the agent's copy into, on the same filesystem
+    model = vllm["args"][vllm["args"].index("--model") + 1]
+    assert vllm["args"][vllm["args"].index("--load-format") + 1] == "p2pweights"
+    assert host_path_of(dep, vllm, model) == host_path_of(dep, init, get.out)
+    assert host_path_of(dep, init, get.out).startswith(agent_host + "/")
+    assert all(m.get("readOnly") for m in vllm["volumeMounts"])
+    assert pod_spec(dep)["nodeSelector"] == pod_spec(ds)["nodeSelector"]
+
+
+def test_every_manifest_validates_strictly_against_the_kubernetes_schemas():
+    pytest.importorskip("kubernetes_validate")
+    import subprocess
+    import sys
+
+    files = sorted(os.path.join(DIR, n) for n in os.listdir(DIR) if n.endswith((".yaml", ".yml")))
+    r = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", *files], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
