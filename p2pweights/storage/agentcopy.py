@@ -13,11 +13,12 @@ import errno
 import logging
 import os
 import shutil
+import time
 
 from ..errors import P2PError
 from ..wire import local
 from .cache import copy_paths
-from .localcopy import Attached, WriterGone, attach
+from .localcopy import Attached, WriterGone, attach, complete_copy, writer_active
 
 log = logging.getLogger("p2pw")
 
@@ -49,6 +50,7 @@ def wait_through_agent(agent: str, model: str, model_id: str | None = None, time
         dl = through_agent(agent, model, model_id, timeout=timeout)
         try:
             dl.wait()
+            _final(dl)
             return dl
         except WriterGone:
             dl.close()
@@ -59,6 +61,15 @@ def wait_through_agent(agent: str, model: str, model_id: str | None = None, time
             dl.close()
             raise
     raise AssertionError("unreachable")
+
+
+def _final(dl: Attached, every: float = 0.02) -> None:
+    """Return once the copy's files are under their final names and its marker is written (every chunk verified is
+    not yet every file renamed); WriterGone if the writer stopped before."""
+    while complete_copy(dl.path, dl.model_id) is None:
+        if not writer_active(dl.path) and complete_copy(dl.path, dl.model_id) is None:
+            raise WriterGone(f"the process writing {dl.path} stopped before its files were final")
+        time.sleep(every)
 
 
 def link_tree(manifest, src: str, dst: str) -> dict:
