@@ -288,11 +288,10 @@ def cmd_join(args) -> int:
             return 0
     http = start_ops(args, starting="connecting")
     start = lambda: (args.joiner or join)(args.parent, out=args.out, port=args.port, host=args.host,  # noqa: E731
-                         advertise=args.advertise, model_id=args.model_id, window=args.window,
+                         advertise=args.advertise, model_id=args.model_id, window=args.window, trace=args.trace,
                          connect_timeout=args.connect_timeout, device=args.device, parent_timeout=args.parent_timeout,
                          give_up_after=args.give_up_after, verify=args.verify, memory_budget=args.memory_budget,
-                         key=load_key(args.key), cache=cache, hf_cache=hf, retry_now=args.retry_now, trace=args.trace,
-                         **limits(args))
+                         key=load_key(args.key), cache=cache, hf_cache=hf, retry_now=args.retry_now, **limits(args))
     dl = start()
     if getattr(dl, "attached", False):  # another process on this host is writing --out: follow it
         if not follow_local(dl, args):
