@@ -27,6 +27,7 @@ from .swarm.member import WAIT_REPORT
 from .swarm.node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .wire.protocol import Msg, ProtocolError, valid_host
 from .storage.ring import ChunkRing
+from .storage.workers import default_workers, in_flight_limit
 from .storage.store import SourceStore, SpaceError, Store, StoreClosed, blob_backing
 from .sources.formats import checkpoint_files, scan as scan_checkpoint
 from .sources.source import BlobSource, sending_read_bytes
@@ -635,7 +636,7 @@ def _wire(node, store, cache, link, tracker_addr: str, welcome: dict, device, st
 def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0.0.0",
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
          connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
-         key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT,
+         key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT, workers: int | None = None,
          give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None,
          cache: ModelCache | None = None, hf_cache: str | None = None, retry_now: bool = False,
          trace: bool = False, origin=None, agent: str | None = None, **limits) -> Download | Attached:
@@ -655,7 +656,8 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     failures (``retry_now`` ignores them).  ``hf_cache`` (a hub cache directory): the copy in the Hugging Face
     layout there (``hfcache``).  ``trace``: keep when and from whom each chunk verified (``Download.arrivals``).
     ``limits``: ``swarm.admission``'s.  ``origin`` (``origin.Origin``): ``parent`` is a standalone tracker; with its
-    ``source``, this host reads the shares of the origin it is handed.
+    ``source``, this host reads the shares of the origin it is handed.  ``workers``: threads that verify
+    and write received chunks beside the event loop (default: ``storage.workers.default_workers()``).
 
     One download per folder on a host: while another local process writes ``out`` (``localcopy``), this returns an
     ``Attached`` that reads that copy's files as they are verified, fetching nothing.
@@ -667,7 +669,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         from .storage.agentcopy import through_agent
 
         return through_agent(agent, model_id or parent, model_id, device)
-    started = time.monotonic()
+    started, workers = time.monotonic(), default_workers() if workers is None else workers
     where = _destination(out, cache, hf_cache)
     if model_id is not None and cache is not None and not retry_now:
         _refuse_remembered(cache, model_id, where)
@@ -683,7 +685,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         link, tracker_addr, welcome, manifest = _handshake_remembered(ctx, parent, hello, model_id,
                                                                       connect_timeout, key, cache, retry_now, where)
         disk, store, lock, target, layout = _open_copy(manifest, out, cache, hf_cache, verify, memory_budget,
-                                                       where, ring=device is None, held=held)
+                                                       where, ring=device is None, held=held, workers=workers)
     except Exception:
         router.close(0)
         gate and gate.stop()
@@ -691,7 +693,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         held and held.release()
         raise
     cache, model_cache = disk, cache
-    node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window,
+    node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window, workers=workers,
                 key=key, parent_timeout=parent_timeout, hello=hello, give_up_after=give_up_after, **limits)
     node.stats.arrivals = [] if trace else None
     try:
@@ -792,14 +794,15 @@ def _refuse_remembered(cache: ModelCache, wanted: str, where: str, tracker: str 
         raise P2PError(describe_failure(rec, cache.failures))
 
 
-def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, ring: bool, held=None):
+def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, ring: bool, held=None, workers=0):
     """The copy this join writes: ``(DiskCache or None, Store, CopyLock or None, directory, layout)``.
 
     ``held``: the ``localcopy.CopyClaim`` on ``out``, which becomes the copy's lock and publishes each verified
     chunk to local readers.
 
     ``ring``: files on disk are received, written and served through a ``ring.ChunkRing`` where they can be
-    written around the page cache (not for a device sink, which reads the store later, on its own thread).
+    written around the page cache (not for a device sink, which reads the store later, on its own thread), with
+    a slot more for each chunk ``workers`` threads may still verify and write.
 
     In the model cache's own folder, room is made first (eviction); the copy is locked for writing and
     the cache told of it.  Nothing is left behind on failure; not enough disk is remembered."""
@@ -817,8 +820,8 @@ def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, rin
             cache.remember(manifest, target, layout)
         # with out, the destination files are the store (mapped); else memory, or a temp file over the budget
         disk = DiskCache(manifest, target, verify=verify, names=names, direct=ring) if target is not None else None
-        store = (Store(manifest, disk.filemap.buffer, files=disk,
-                       ring=ChunkRing(manifest.chunk_size) if disk.direct else None) if disk is not None
+        slots = ChunkRing(manifest.chunk_size, busy=in_flight_limit(workers)) if disk and disk.direct else None
+        store = (Store(manifest, disk.filemap.buffer, files=disk, ring=slots) if disk is not None
                  else Store(manifest, blob_backing(manifest.total_size, memory_budget)))
         if held is not None:
             store.sinks.append(held.publish(manifest))

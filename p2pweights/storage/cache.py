@@ -6,8 +6,8 @@ nothing is written) and mapped shared at its blob offset (``store.FileMap``),
 so children and readers are served from the files' page cache.  Each chunk
 is verified in its network buffer and only then written into its files
 (``pwrite``: see ``Store.write``), and the kernel writes the pages back.
-With ``direct`` (a join with a ``ring.ChunkRing``) a chunk is verified in
-a ring slot instead and written from there around the page cache
+With ``direct`` (a join with a ``ring.ChunkRing``) a verified chunk is
+copied into a ring slot and written from there around the page cache
 (``write_direct``: ``O_DIRECT``, only a file's last partial page through
 the cache), so the copy never fills the page cache.  Not on a filesystem
 in memory (tmpfs: /dev/shm, a Kubernetes ``emptyDir`` of ``medium:
@@ -212,6 +212,82 @@ def _pwrite_all(fd: int, view, at: int) -> None:
         view, at = view[n:], at + n
 
 
+class ChunkWrites:
+    """Verified chunks written into a ``DiskCache``'s open files from any thread (the workers').  A file's fds
+    stay open while a write uses them: ``release`` waits for those before the finisher closes them (a second
+    copy of a chunk may still be written as the file becomes final)."""
+
+    def __init__(self, cache: "DiskCache"):
+        self.cache, self.cond = cache, threading.Condition()
+        self.writing = [0] * len(cache.manifest.files)  # writes under way into file i
+        self.stale: list[int] = []  # O_DIRECT fds given up (EINVAL), closed with the rest
+
+    def pwrite(self, index: int, data) -> None:
+        """Chunk ``index``'s bytes ``data`` into the files it covers, through the page cache."""
+        for i, at, piece in self._pieces(index, data):
+            fd, _ = self._enter(i)
+            if fd is None:
+                continue
+            try:
+                _pwrite_all(fd, piece, at)
+            finally:
+                self._leave(i)
+
+    def direct(self, index: int, data) -> None:
+        """Like ``pwrite``, from page-aligned memory, around the page cache: O_DIRECT on the 4 KiB grid,
+        through the page cache only a file's unaligned end (a piece starts on the grid: chunks do, and the
+        blob layout starts every file there)."""
+        for i, at, piece in self._pieces(index, data):
+            cut = (at + len(piece)) // DIRECT_ALIGN * DIRECT_ALIGN - at
+            fd, direct_fd = self._enter(i)
+            if fd is None:
+                continue
+            try:
+                try:
+                    _pwrite_all(fd if direct_fd is None else direct_fd, piece[:cut], at)
+                except OSError as e:  # blocks larger than the grid: this file through the page cache from now on
+                    if e.errno != errno.EINVAL or direct_fd is None:
+                        raise
+                    with self.cond:  # closed with the others: another writer may be using it now
+                        if self.cache.direct_fds.get(i) == direct_fd:
+                            self.stale.append(self.cache.direct_fds.pop(i))
+                    _pwrite_all(fd, piece[:cut], at)
+                _pwrite_all(fd, piece[cut:], at + cut)
+            finally:
+                self._leave(i)
+
+    def _pieces(self, index: int, data):
+        """``(file, offset in it, bytes)`` of chunk ``index`` (``data``) in each file it covers."""
+        m = self.cache.manifest
+        lo, hi = m.chunk_span(index)
+        for i in self.cache.chunk_files[index]:
+            o = m.files[i]["offset"]
+            a, b = max(lo, o), min(hi, o + m.files[i]["size"])
+            yield i, a - o, data[a - lo:b - lo]
+
+    def _enter(self, i: int):
+        """``(fd, O_DIRECT fd or None)`` of file ``i``, open until ``_leave(i)``; ``(None, None)`` once it is
+        final (it holds every byte of its chunks: a second copy of one has nothing to write)."""
+        with self.cond:
+            fd = self.cache.fds.get(i)
+            if fd is None:
+                return None, None
+            self.writing[i] += 1
+            return fd, self.cache.direct_fds.get(i)
+
+    def _leave(self, i: int) -> None:
+        with self.cond:
+            self.writing[i] -= 1
+            if not self.writing[i]:
+                self.cond.notify_all()
+
+    def release(self, i: int):
+        """File ``i``'s ``(fd, O_DIRECT fd)``, no longer the cache's, once no write uses them (to close)."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.writing[i])
+            return self.cache.fds.pop(i, None), self.cache.direct_fds.pop(i, None)
+
+
 class DiskCache:
     """The files of ``manifest`` under ``out`` as one mapped blob (``filemap``), finalised file by file."""
 
@@ -232,6 +308,7 @@ class DiskCache:
         # takes it, chunks start on its grid, and nothing was read through the page cache (no resume)
         self.direct = False
         self.direct_fds: dict[int, int] = {}  # open while file i is not final
+        self.writes = ChunkWrites(self)  # from worker threads: file i's fds stay open while a write uses them
         self.finished = threading.Event()
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.resuming = False
@@ -359,35 +436,12 @@ class DiskCache:
     # ----- while downloading (put is called on the node's loop) -------------
 
     def write_chunk(self, index: int, data) -> None:
-        """Write chunk ``index``'s verified bytes ``data`` into the files it covers (``Store.write``)."""
-        for i, at, piece in self._pieces(index, data):
-            _pwrite_all(self.fds[i], piece, at)
+        """Write chunk ``index``'s verified bytes ``data`` into the files it covers (``Store.land``; any thread)."""
+        self.writes.pwrite(index, data)
 
     def write_direct(self, index: int, data) -> None:
-        """Like ``write_chunk``, from page-aligned memory (a ring slot), around the page cache: O_DIRECT on the
-        4 KiB grid, through the page cache only a file's unaligned end (a piece starts on the grid: chunks do,
-        and the blob layout starts every file there)."""
-        for i, at, piece in self._pieces(index, data):
-            cut = (at + len(piece)) // DIRECT_ALIGN * DIRECT_ALIGN - at
-            direct_fd = self.direct_fds.get(i)
-            try:
-                _pwrite_all(self.fds[i] if direct_fd is None else direct_fd, piece[:cut], at)
-            except OSError as e:  # blocks larger than the grid: this file through the page cache from now on
-                if e.errno != errno.EINVAL or direct_fd is None:
-                    raise
-                os.close(self.direct_fds.pop(i))
-                _pwrite_all(self.fds[i], piece[:cut], at)
-            _pwrite_all(self.fds[i], piece[cut:], at + cut)
-
-    def _pieces(self, index: int, data):
-        """``(file, offset in it, bytes)`` of chunk ``index`` (``data``) in each file it covers that is not
-        final yet (a final one holds every byte of its chunks)."""
-        lo, hi = self.manifest.chunk_span(index)
-        for i in self.chunk_files[index]:
-            if i in self.fds:
-                o = self.manifest.files[i]["offset"]
-                a, b = max(lo, o), min(hi, o + self.manifest.files[i]["size"])
-                yield i, a - o, data[a - lo:b - lo]
+        """The same from page-aligned memory (a ring slot), around the page cache (``ChunkWrites.direct``)."""
+        self.writes.direct(index, data)
 
     def put(self, index: int, data: memoryview) -> None:
         """Chunk ``index`` is verified (its bytes are already in the mapped files): count it, finish files."""
@@ -457,8 +511,9 @@ class DiskCache:
                 _libc.sync_file_range(fd, a, b - a, SYNC_FILE_RANGE_WRITE)
 
     def _finish_file(self, i: int) -> None:
-        """Every chunk of file ``i`` is verified: fsync it and give it its final name."""
-        fd, direct_fd = self.fds.pop(i, None), self.direct_fds.pop(i, None)
+        """Every chunk of file ``i`` is verified: fsync it and give it its final name (once no writer holds its
+        fds: a second copy of a chunk may still be written by a worker)."""
+        fd, direct_fd = self.writes.release(i)
         if direct_fd is not None:
             os.close(direct_fd)
         if fd is not None:
@@ -497,13 +552,15 @@ class DiskCache:
         if not self.finished.is_set() and self.thread is not None and threading.current_thread() is not self.thread:
             self.queue.put(None)
             self.thread.join(5)
-        for fd in [*self.fds.values(), *self.direct_fds.values()]:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.fds.clear()
-        self.direct_fds.clear()
+        with self.writes.cond:
+            for fd in [*self.fds.values(), *self.direct_fds.values(), *self.writes.stale]:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.fds.clear()
+            self.direct_fds.clear()
+            self.writes.stale.clear()
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once every file is complete under its final name and the marker is written."""

@@ -4,8 +4,9 @@ A join writing ``--out`` used to copy every chunk into the page cache of its
 files and serve partners from there.  Filling new page-cache pages was the
 largest single cost of a join on the bed (a VM whose host backs freed memory
 lazily: 42 % of all the machine's CPU at N = 16).  With a ring, a chunk is
-received into a free slot, verified there, written into its files with
-``O_DIRECT`` (``DiskCache.write_direct``) and served from the slot; a
+verified in its network buffer, copied into a free slot, written into its
+files from there with ``O_DIRECT`` (``DiskCache.write_direct``; by a worker
+thread, ``workers``) and served from the slot; a
 partner asks for most chunks within a fraction of a second of hearing of
 them.  A chunk whose slot was taken since is served from the files (the
 store's mapping reads it back from disk).  The slots are the only memory
@@ -14,8 +15,10 @@ the chunks pass through, faulted in once.
 A slot is reused only once no send still reads it: ZeroMQ sends straight
 from the slot, and each send's tracker (``zmq.MessageTracker``) is pinned
 to it until ZeroMQ lets go.  With every slot pinned, ``take`` returns None
-and the chunk goes the old way (network buffer, then ``pwrite``).  No I/O
-here: ``take``, ``hold``, ``view``, ``pin``.
+and the chunk goes the old way (network buffer, then ``pwrite``).  A slot
+taken and not yet held (a worker still verifies and writes the chunk in it,
+``workers``) is never taken again: ``hold`` or ``release`` ends that.  No
+I/O here: ``take``, ``hold``, ``release``, ``view``, ``pin``.
 """
 from __future__ import annotations
 
@@ -25,19 +28,22 @@ from .store import align_page
 
 RING_BYTES = 16 << 20  # the slots together (32 of the default 512 KiB chunks: 0.3 s of a 400 Mbit/s uplink)
 MIN_SLOTS = 4
+TAKEN = -2  # ``chunk_in`` of a slot taken and not yet held or released
 
 
 class ChunkRing:
     """``slots`` buffers of ``chunk_size`` bytes (page-aligned), each empty or holding one verified chunk."""
 
-    def __init__(self, chunk_size: int, slots: int | None = None):
+    def __init__(self, chunk_size: int, slots: int | None = None, busy: int = 0):
+        """``busy``: slots that may be taken and not yet held at once (chunks in the workers), on top of the
+        ``slots`` (default: RING_BYTES of them, at least MIN_SLOTS) that hold verified chunks."""
         self.chunk_size = chunk_size
         self.stride = align_page(chunk_size)
-        self.slots = slots or max(MIN_SLOTS, RING_BYTES // self.stride)
+        self.slots = (slots or max(MIN_SLOTS, RING_BYTES // self.stride)) + busy
         self.buffer = mmap.mmap(-1, self.slots * self.stride, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.memory = memoryview(self.buffer)
         self.slot_of: dict[int, int] = {}  # chunk -> slot holding it
-        self.chunk_in = [-1] * self.slots  # slot -> chunk it holds, or -1
+        self.chunk_in = [-1] * self.slots  # slot -> chunk it holds, or -1, or TAKEN
         self.pins: list[list] = [[] for _ in range(self.slots)]  # slot -> trackers of sends reading it
         self.next = 0  # slots are taken round-robin from here: the oldest chunk goes first
         self.held = self.full = 0  # chunks held in a slot; chunks received the old way, every slot pinned
@@ -45,15 +51,15 @@ class ChunkRing:
 
     def take(self, size: int):
         """``(slot, view of size bytes)`` to receive a chunk into, dropping what the slot held; ``(None, None)``
-        if every slot is still being sent from."""
+        if every slot is still being sent from or taken.  The slot is taken until ``hold`` or ``release``."""
         for k in range(self.slots):
             slot = (self.next + k) % self.slots
-            if self._unpin_done(slot):
-                continue
             old = self.chunk_in[slot]
+            if old == TAKEN or self._unpin_done(slot):
+                continue
             if old >= 0:
                 del self.slot_of[old]
-                self.chunk_in[slot] = -1
+            self.chunk_in[slot] = TAKEN
             self.next = (slot + 1) % self.slots
             return slot, self._slot(slot, size)
         self.full += 1
@@ -64,6 +70,10 @@ class ChunkRing:
         self.slot_of[index] = slot
         self.chunk_in[slot] = index
         self.held += 1
+
+    def release(self, slot: int) -> None:
+        """``slot`` was taken for a chunk that failed verification (or was not written): free it, holding nothing."""
+        self.chunk_in[slot] = -1
 
     def view(self, index: int, size: int):
         """``(slot, view)`` of chunk ``index`` if a slot holds it, else ``(None, None)``."""

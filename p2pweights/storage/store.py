@@ -14,7 +14,8 @@ a chunk from its slot while one holds it.  A chunk's bit is
 set only after its hash matched; nothing reads an unset chunk.  Readers in
 other threads block in ``wait_chunks`` until their chunks are verified (and
 every sink that tracks readiness has them).  The node's event loop is the only
-writer.
+writer of this state; the bytes of a verified chunk may be put in place by a
+worker thread first (``land``).
 """
 from __future__ import annotations
 
@@ -110,6 +111,20 @@ class FileMap:
                 done += n
         finally:
             view.release()
+
+
+def copy_into(dst, src) -> None:
+    """Copy the bytes of ``src`` into ``dst`` (as long), outside the GIL where both are writable buffers (a
+    ZeroMQ frame, the blob, a ring slot): other threads run meanwhile, the event loop among them."""
+    try:
+        d, s = ctypes.c_char.from_buffer(dst), ctypes.c_char.from_buffer(src)
+    except (TypeError, ValueError):  # read-only (bytes), or empty: under the GIL
+        dst[:len(src)] = src
+        return
+    try:
+        ctypes.memmove(ctypes.addressof(d), ctypes.addressof(s), len(src))
+    finally:
+        del d, s  # a live export would keep the buffers from being released
 
 
 def align_page(n: int) -> int:
@@ -276,13 +291,26 @@ class Store:
         into the page cache, and the mapping, which shares those pages, serves
         them.
         """
+        self.write_seconds += self.land(index, data, None if slot is None else data)
+        if slot is not None:
+            self.ring.hold(slot, index)
+
+    def land(self, index: int, data, into=None) -> float:
+        """Put verified chunk ``index``'s bytes ``data`` where they belong, on any thread (a worker's): into the
+        blob (a store in memory); else into ``into`` (a ring slot's view, unless ``data`` is it already) and
+        from there into the files around the page cache; else into the files by ``pwrite``.  Changes no
+        state (the loop holds the slot and marks the chunk verified); OSError if the files refuse.  Returns
+        the CPU seconds it took."""
         began = time.thread_time()
-        if slot is None:
+        if self.files is None:
+            copy_into(self.chunk(index), data)
+        elif into is None:
             self.files.write_chunk(index, data)
         else:
-            self.files.write_direct(index, data)
-            self.ring.hold(slot, index)
-        self.write_seconds += time.thread_time() - began
+            if into is not data:
+                copy_into(into, data)
+            self.files.write_direct(index, into)
+        return time.thread_time() - began
 
     @property
     def complete(self) -> bool:

@@ -16,12 +16,12 @@ import zmq
 from ..wire import protocol
 from ..wire.protocol import MAX_NAME, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
 from .admission import NOT_PLACED, attach_refusal
+from .intake import MAX_BAD_FROM_PARENT  # noqa: F401  (part of the node's limits)
 from .originread import landed
 
 log = logging.getLogger("p2pw")
 
 MAX_BAD_MESSAGES = 32  # malformed messages before a connection is ignored
-MAX_BAD_FROM_PARENT = 4  # chunks failing verification before a partner is given up
 DRAIN = 64  # messages taken from one socket per poll
 DRAIN_SECONDS = 0.02  # and at most this long, so timers (heartbeats) keep their pace under load
 READY = struct.Struct("<I?")  # read-ahead -> loop: chunk index, matched the manifest
@@ -72,6 +72,8 @@ class Handlers:
             else:
                 log.error("chunk %d read from storage does not match the manifest: the checkpoint changed under "
                           "the seeder (or cannot be read); not serving it (restart the seeder to rescan)", index)
+        elif verb == b"checked":  # the workers have verdicts
+            n.intake.checked()
         elif verb == b"origin":
             landed(n, *READY.unpack(body))
         elif verb == b"urgent":
@@ -150,7 +152,8 @@ class Handlers:
             n.partners.open(link.rank, link.addr)
 
     def on_chunk(self, link, index: int) -> None:
-        """A chunk arrived: verify it, then publish it, or drop it and ask again."""
+        """A chunk arrived: hand it to the intake (verified there, and only then written and published), or
+        drop it if we did not ask for it."""
         n = self.node
         sock = link.socket
         if index >= n.manifest.n_chunks or not n.pull.expects(link.rank, index):
@@ -162,46 +165,13 @@ class Handlers:
                 log.warning("partner rank %d sent chunk %d, which we did not ask it for: dropped", link.rank, index)
             return
         link.last_chunk = n.clock()
-        slot = None
-        if n.store.in_place:  # memory: received straight into the blob, verified there
-            data = n.store.chunk(index)
-            got = sock.recv_into(data)
-            size = len(data)
-        else:  # files: verified in a ring slot or the network buffer, then written (Store.write says why)
-            lo, hi = n.manifest.chunk_span(index)
-            size = hi - lo
-            if n.store.ring is not None:
-                slot, data = n.store.ring.take(size)
-            if slot is not None:
-                got = sock.recv_into(data)
-            else:
-                data = sock.recv(copy=False).buffer
-                got = len(data)
+        frame = sock.recv(NOBLOCK, copy=False)  # ZeroMQ's buffer: the workers verify and copy from it
         _discard_rest(sock)
         n.stats.chunks_received += 1
-        n.stats.bytes_received += got
+        n.stats.bytes_received += len(frame)
         if n.faults is not None:
             n.faults.received()
-        ok = got == size and n.digest(data) == n.manifest.chunks[index]
-        if ok and not n.store.in_place:
-            try:
-                n.store.write(index, data, slot)
-            except OSError as e:
-                n._fail(f"writing chunk {index} into the local copy failed: {e.strerror or e}")
-                return
-        planned = n.pull.plan[index % n.pull.stripes]
-        n.pull.arrived(link.rank, index, ok)
-        if ok:
-            n.stats.switches += planned != link.rank
-            if n.stats.arrivals is not None:
-                n.stats.arrivals.append((link.last_chunk, index, link.rank, planned))
-            n.publish(index)
-            return
-        n.stats.bad_chunks += 1
-        log.warning("chunk %d from partner rank %d failed verification (%d bytes): dropped, fetching it again",
-                    index, link.rank, got)
-        if n.pull.links[link.rank].bad >= MAX_BAD_FROM_PARENT:
-            n.partners.give_up(link.rank, f"sent {n.pull.links[link.rank].bad} chunks that failed verification")
+        n.intake.arrived(link.rank, index, frame)
 
     # ----- tracker link (peers only) ---------------------------------------
 

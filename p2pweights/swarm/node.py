@@ -3,14 +3,16 @@
 One thread owns every socket and all mutable network state (like Kraken's
 scheduler): the ROUTER that partners and joiners talk to, a DEALER to each
 partner this peer pulls from, one to the tracker, and the inbox through which
-other threads (read-ahead, waiters, the disk writer, ``stop``) reach it.  The
+other threads (read-ahead, waiters, the workers, ``stop``) reach it.  The
 loop polls, decodes, hands each event to the objects that decide (``pull``:
 what to ask of whom; ``serve``: whom to send what next; ``endpoint``: the
 tracker's member handlers, on the seeder) and sends what they return.
 
-A chunk is received straight into its place in the store, hashed, and only
-then published: marked held, announced to partners in the next HAVE batch,
-and sent to every partner whose request was parked on it.
+A chunk is taken off the wire as ZeroMQ's buffer and handed to the intake
+(``intake``): worker threads hash it and write it where it belongs only if
+it matches, and the loop, told on the inbox, only then publishes it: marks
+it held, announces it to partners in the next HAVE batch, and sends it to
+every partner whose request was parked on it.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from ..errors import P2PError
 from .handlers import MAX_BAD_FROM_PARENT, MAX_BAD_MESSAGES, NOBLOCK, READY, Child, Handlers  # noqa: F401
 from ..sources.manifest import chunk_hasher
 from .admission import CHILD_TIMEOUT, MAX_PER_HOST, Admission
+from .intake import Intake
 from .member import Membership
 from .partners import Partners, send_nowait, tcp  # noqa: F401  (tcp: part of the node's surface)
 from ..wire.protocol import MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: part of the node's limits)
@@ -100,7 +103,7 @@ class Node:
                  key: keys.FleetKey | None = None, max_children: int = MAX_CHILDREN,
                  parent_timeout: float = PARENT_TIMEOUT, tracker_timeout: float = TRACKER_TIMEOUT,
                  hello: dict | None = None, give_up_after: float = GIVE_UP_AFTER, clock=time.monotonic,
-                 child_timeout: float = CHILD_TIMEOUT, max_per_host: int = MAX_PER_HOST):
+                 child_timeout: float = CHILD_TIMEOUT, max_per_host: int = MAX_PER_HOST, workers: int = 0):
         keep_frame_memory()
         self.ctx, self.router, self.manifest, self.store = ctx, router, manifest, store
         self.model_id = manifest.model_id
@@ -132,8 +135,7 @@ class Node:
         self.bad: dict[bytes, int] = {}
         self.seen: dict[bytes, float] = {}  # last message from each connection, for pruning idle ones
         self.fresh: list[int] = []  # verified since the last HAVE batch
-        self.tracker_addr: str | None = None  # where joiners are redirected (a peer: its tracker)
-        self.rank = 0
+        self.tracker_addr, self.rank = None, 0  # where joiners are redirected (a peer: its tracker); our rank
         self.next_heartbeat = self.next_prune = self.next_timers = 0.0
         self.reader = self.origin = None  # a seeder reading chunks as peers ask them; an origin reader's shares
         self.poller = zmq.Poller()
@@ -146,8 +148,8 @@ class Node:
         self.stop_event, self.left = threading.Event(), threading.Event()
         self.leave_when_done = False
         self.extra_done = []  # callables that must be true before the peer counts as done (disk cache)
-        self.fatal: str | None = None
-        self.thread: threading.Thread | None = None
+        self.fatal, self.thread = None, None  # (str: why the download failed; the loop's threading.Thread)
+        self.intake = Intake(self, workers)  # chunks received: verified and written by ``workers`` threads
 
     # ----- other threads -------------------------------------------------
 
@@ -381,6 +383,7 @@ class Node:
             self.stop_event.set()
 
     def _close_sockets(self) -> None:
+        self.intake.close()  # before the files close: a worker may still write a verified chunk
         bye = protocol.control(Msg.BYE, rank=self.rank)
         for ident in list(self.children):  # partners pulling from us ask elsewhere at once
             self._send(ident, bye)
