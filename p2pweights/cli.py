@@ -608,7 +608,9 @@ def limit_flags(p) -> None:
 
 
 def limits(args) -> dict:
-    return {"child_timeout": args.child_timeout, "max_per_host": args.max_conns_per_host}
+    """``limit_flags``' values, and a join's ``--workers``."""
+    return {"child_timeout": args.child_timeout, "max_per_host": args.max_conns_per_host,
+            **({"workers": args.workers} if "workers" in args else {})}
 
 
 def _seed_parser(sub) -> None:
@@ -692,6 +694,9 @@ def join_flags(j) -> None:
     j.add_argument("--key", metavar="DIR", help="fleet key directory (p2pw keygen), as given to p2pw seed")
     j.add_argument("--stay", action="store_true", help="keep serving after the download completes")
     j.add_argument("--window", type=positive, default=FIRST_WINDOW, help=WINDOW_HELP)
+    j.add_argument("--workers", type=count, metavar="N",
+                   help="threads that verify and write received chunks beside the event loop (default: "
+                        "P2PW_WORKERS, else min(4, cores - 1), none on 1-2 cores; 0: the loop does it)")
     j.add_argument("--connect-timeout", type=seconds, default=30.0, help="seconds to keep trying the parent")
     j.add_argument("--parent-timeout", type=seconds, default=5.0,
                    help="seconds of silence after which a partner is given up (a planned one for another)")
