@@ -231,7 +231,8 @@ def test_tracker_adoptions_move_early_peers_to_their_round_head():
     b = tr.join("b", "b:1")
     assert b.parents == [1, 0]
     assert tr.adoptions(b) == [a] and a.parents == [0, 2]
-    assert tr.parent_addrs(a)[1] == {"rank": 2, "addr": "b:1", "stripe": 1}
+    entry = tr.parent_addrs(a)[1]
+    assert entry.pop("ticket") and entry == {"rank": 2, "addr": "b:1", "stripe": 1}  # the ticket admits a at b
     assert tr.dependents(2) == [1] and sorted(tr.dependents(0)) == [1, 2]
     tr.done(1)
     c, d = tr.join("c", "c:1"), tr.join("d", "d:1")
