@@ -330,19 +330,26 @@ class Download:
         """CPU seconds of this process's threads by role so far: ``loop`` (the node's event loop), ``zmq_io``
         (libzmq's I/O threads), ``workers`` (byte-path threads off the loop), ``finisher`` (fsyncs and renames),
         ``main`` and ``other`` (threads that have ended among them); ``loop_us_per_chunk``: the loop's CPU
-        microseconds per chunk received."""
+        microseconds per chunk received; ``workers``: the pool's threads, ``checked_on_loop``: chunks the loop
+        verified itself (no workers), ``waited_for_workers``: times it waited for one (every one busy)."""
         roles = dict.fromkeys(("loop", "zmq_io", "workers", "finisher", "main", "other"), 0.0)
         usage = resource.getrusage(resource.RUSAGE_SELF)
         roles["other"] = usage.ru_utime + usage.ru_stime  # less each live thread's below: what ended threads used
         loop = self.node.thread.native_id if self.node.thread is not None else None
         tick = os.sysconf("SC_CLK_TCK")
+        import threading  # Python's threads (loop, workers, finisher, main) are read to the ns, not in clock ticks
+
+        clocks = {t.native_id: t.ident for t in threading.enumerate()}
         for tid in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{tid}/stat") as f:
                     comm, fields = f.read().rsplit(")", 1)
+                cpu = sum(map(int, fields.split()[11:13])) / tick
+                if int(tid) in clocks:
+                    cpu = time.clock_gettime(time.pthread_getcpuclockid(clocks[int(tid)]))
             except OSError:
                 continue  # ended meanwhile
-            comm, cpu = comm.partition("(")[2], sum(map(int, fields.split()[11:13])) / tick
+            comm = comm.partition("(")[2]
             role = ("loop" if int(tid) == loop else "main" if int(tid) == os.getpid() else
                     "zmq_io" if comm.startswith("ZMQbg/IO") else "workers" if comm.startswith("p2pw-worker") else
                     "finisher" if comm.startswith("p2pw-finish") else "other")
@@ -351,7 +358,9 @@ class Download:
         roles["other"] = max(roles["other"], 0.0)  # (clock ticks against microseconds)
         got = self.node.stats.chunks_received
         return {"threads": {k: round(v, 3) for k, v in roles.items()},
-                "loop_us_per_chunk": round(roles["loop"] * 1e6 / got, 1) if got else None}
+                "loop_us_per_chunk": round(roles["loop"] * 1e6 / got, 1) if got else None,
+                "workers": self.node.intake.pool.size, "checked_on_loop": self.node.intake.on_loop,
+                "waited_for_workers": self.node.intake.pool.waits}
 
     @property
     def progress(self) -> dict:

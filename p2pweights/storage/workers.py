@@ -10,14 +10,15 @@ written, and a verified chunk is written before the loop hears of it.
 xxh3, ``pwrite`` and the copy (``store.copy_into``) run outside the GIL, so
 the workers use cores beside the loop's.
 
-At most ``limit`` jobs are in flight (queued or being worked on); past that,
-``submit`` says no and the loop does the job itself (``check``), so the
-queue never grows, and its frames stay within the credit windows that let
-them be sent.  With no threads every job is done on the loop, as before.
+At most ``limit`` jobs are in flight (queued or being worked on): with that
+many, the loop waits for one to be done (``wait``, asleep) before it hands
+over the next, so the queue never grows and the loop spends no CPU on
+bytes; the frames it has not taken yet stay in ZeroMQ's queues, within the
+credit windows that let them be sent.  With no threads every job is done on
+the loop (``check``), as before the pool.
 """
 from __future__ import annotations
 
-import collections
 import os
 import queue
 import threading
@@ -63,22 +64,27 @@ class ChunkWorkers:
     there are jobs to ``take``."""
 
     def __init__(self, store, threads: int, wake=None, limit: int | None = None):
-        self.store, self.wake = store, wake
+        self.store, self.wake, self.size = store, wake, threads
         self.digest, self.hashes = chunk_hasher(store.manifest.hash), store.manifest.chunks
         self.limit = limit if limit is not None else in_flight_limit(threads)
         self.in_flight = 0  # submitted and not yet taken back (the loop's count)
+        self.waits = 0  # times the loop waited for a worker (``wait``)
         self.todo: queue.SimpleQueue = queue.SimpleQueue()
-        self.done: collections.deque = collections.deque()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.woken = False  # a wake is on its way to the loop: the next done job need not send another
         self.threads = [threading.Thread(target=self._run, name=f"p2pw-worker-{k}", daemon=True)
                         for k in range(threads)]
         for t in self.threads:
             t.start()
 
+    @property
+    def full(self) -> bool:
+        """Whether ``limit`` jobs are in flight (``wait`` before the next ``submit``)."""
+        return bool(self.threads) and self.in_flight >= self.limit
+
     def submit(self, job: Job) -> bool:
-        """Hand ``job`` to a worker; False if there are none or ``limit`` jobs are in flight (the caller
-        ``check``s it itself)."""
-        if not self.threads or self.in_flight >= self.limit:
+        """Hand ``job`` to a worker; False if there are none (the caller ``check``s it itself)."""
+        if not self.threads:
             return False
         self.in_flight += 1
         self.todo.put(job)
@@ -100,10 +106,27 @@ class ChunkWorkers:
         """Jobs checked since the last call, in the order they were done (the loop's thread)."""
         self.woken = False  # before draining: a job done after this sends a wake of its own
         out = []
-        while self.done:
-            out.append(self.done.popleft())
+        try:
+            while True:
+                out.append(self.done.get_nowait())
+        except queue.Empty:
+            pass
         self.in_flight -= len(out)
         return out
+
+    def wait(self, timeout: float = 60.0) -> list[Job]:
+        """Jobs done, at least one if any is in flight: asleep until a worker finishes one (the loop's thread,
+        with the pool ``full``); RuntimeError if none does within ``timeout`` seconds."""
+        out = self.take()
+        if out or not self.in_flight:
+            return out
+        self.waits += 1
+        try:
+            out.append(self.done.get(timeout=timeout))  # a worker hands back every job it takes, errors too
+        except queue.Empty:
+            raise RuntimeError(f"no worker finished a chunk in {timeout:g} s") from None
+        self.in_flight -= 1
+        return out + self.take()
 
     def _run(self) -> None:
         _name_self(threading.current_thread().name)
@@ -112,7 +135,7 @@ class ChunkWorkers:
                 self.check(job)
             except Exception as e:  # a bug: the loop fails the download with it rather than lose the job
                 job.ok, job.error, job.data, job.frame = False, f"internal error: {e!r}", None, None
-            self.done.append(job)
+            self.done.put(job)
             if not self.woken:
                 self.woken = True
                 if self.wake is not None:

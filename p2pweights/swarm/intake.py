@@ -4,8 +4,9 @@
 it here.  A copy of a chunk already being checked waits behind it (the first
 that verifies wins; the others are dropped unwritten).  Otherwise it takes a
 free ring slot, where the store has a ring, and goes to the workers
-(``storage.workers``), which hash it and write it only if it matches; with
-the pool full, or no workers, the loop checks it itself.  On the verdict, on
+(``storage.workers``), which hash it and write it only if it matches (with
+the pool full, the loop first waits for a verdict; with no workers it checks
+the chunk itself).  On the verdict, on
 the loop: the pull scheduler hears of it, and a verified chunk is published
 (held, announced, sent to whoever waits on it) while a bad one is dropped,
 counted and fetched again.  Every state change stays on the loop.
@@ -28,7 +29,7 @@ class Intake:
         self.node = node
         self.pool = ChunkWorkers(node.store, workers, wake=lambda: node.post(b"checked"))
         self.waiting: dict[int, list[Job]] = {}  # chunk being checked -> later copies of it, in arrival order
-        self.on_loop = 0  # jobs checked on the loop (no workers, or every one busy)
+        self.on_loop = 0  # jobs checked on the loop (no workers)
 
     def arrived(self, rank: int, index: int, frame) -> None:
         """Chunk ``index`` came from partner ``rank`` in ``frame`` (a ZeroMQ frame, or a buffer)."""
@@ -46,6 +47,9 @@ class Intake:
 
     def _start(self, job: Job) -> None:
         store = self.node.store
+        while self.pool.full:  # asleep until a worker is done with one: the loop does no byte work
+            for done in self.pool.wait():
+                self.verdict(done)
         if store.ring is not None:
             lo, hi = store.manifest.chunk_span(job.index)
             job.slot, job.into = store.ring.take(hi - lo)
