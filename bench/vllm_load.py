@@ -43,14 +43,15 @@ def end(p: subprocess.Popen) -> None:
 
 
 def until(p: subprocess.Popen, pattern: str, timeout: float = 600) -> re.Match:
-    deadline = time.monotonic() + timeout
+    deadline, seen = time.monotonic() + timeout, []
     for line in p.stdout:
         m = re.search(pattern, line)
         if m:
             return m
+        seen = (seen + [line])[-20:]
         if time.monotonic() > deadline:
             break
-    raise SystemExit(f"no {pattern!r} from {p.args}")
+    raise SystemExit(f"no {pattern!r} from {p.args}:\n{''.join(seen)}")
 
 
 def first_token(model: Path, env, extra: list[str] = ()) -> float:
