@@ -141,6 +141,19 @@ def serve_until_signalled(finished=lambda: False, every: float = 0.1) -> None:
         pass
 
 
+def serve_until_fatal(owner, finished=lambda: False, every: float = 0.1) -> int:
+    """Serve until a signal, ``finished()`` or the node's fatal error, then close ``owner`` (a seeder, tracker or
+    download); 1 with that error said once, else 0."""
+    try:
+        serve_until_signalled(lambda: owner.node.fatal is not None or finished(), every)
+    finally:
+        owner.close()
+    if owner.node.fatal is not None:
+        error(owner.node.fatal)
+        return 1
+    return 0
+
+
 def cmd_seed(args) -> int:
     from .api import DEFAULT_PLAN, seed
     from .sources.formats import SKIPPED_DIRS
@@ -184,14 +197,11 @@ def cmd_seed(args) -> int:
 
     lines = FleetProgress(s, every=args.progress_every)
     try:  # the fleet snapshot the loop publishes: never the tracker's live member table from this thread
-        serve_until_signalled(lambda: s.node.fatal is not None or bool(args.exit_after)
-                              and s.fleet.done >= args.exit_after and s.fleet.all_left)
+        if serve_until_fatal(s, lambda: bool(args.exit_after) and s.fleet.done >= args.exit_after
+                             and s.fleet.all_left):
+            return 1  # e.g. its files changed under it: said once
     finally:
         lines.close()
-        s.close()
-    if s.node.fatal is not None:  # its files changed under it: said once, exit 1
-        error(s.node.fatal)
-        return 1
     fleet = s.fleet  # the loop's last snapshot, taken as it ended
     report = {"model_id": s.model_id, "total_size": m.total_size, "bytes_read": s.bytes_read,
               "bytes_sent": s.stats.bytes_sent, "chunks_sent": s.stats.chunks_sent, "malformed": s.stats.malformed,
@@ -338,11 +348,7 @@ def cmd_join(args) -> int:
                              **({"chunks": dl.arrivals()} if args.trace else {}), **args.report_extra()})
     if args.stay:
         say("staying", "p2pw: staying to serve others (Ctrl-C to stop)")
-        serve_until_signalled(lambda: dl.node.fatal is not None, every=0.2)
-        dl.close()
-        if dl.node.fatal:
-            error(dl.node.fatal)
-            return 1
+        return serve_until_fatal(dl, every=0.2)
     else:
         dl.close(linger=True)
     return 0
@@ -381,14 +387,7 @@ def cmd_tracker(args) -> int:
         say("unencrypted", "p2pw: WARNING: links are NOT encrypted or authenticated: anyone who can reach this "
             "port can publish a manifest or join a swarm (use --key DIR from p2pw keygen)")
     write_json(args.ready, {"port": t.port})
-    try:
-        serve_until_signalled(lambda: t.node.fatal is not None)
-    finally:
-        t.close()
-    if t.node.fatal is not None:
-        error(t.node.fatal)
-        return 1
-    return 0
+    return serve_until_fatal(t)
 
 
 def cmd_get(args) -> int:
@@ -423,12 +422,7 @@ def origin_seeder(s, args) -> int:
         port=s.port)
     say("model_id", f"p2pw: model id {s.model_id}")
     write_json(args.ready, {"port": s.port, "model_id": s.model_id, "total_size": m.total_size})
-    try:
-        serve_until_signalled(lambda: s.node.fatal is not None)
-    finally:
-        s.close()
-    if s.node.fatal is not None:
-        error(s.node.fatal)
+    if serve_until_fatal(s):
         return 1
     write_json(args.report, {"model_id": s.model_id, "total_size": m.total_size, "bytes_read": s.bytes_read,
                              "origin_bytes_read": s.bytes_read, "origin_chunks": s.stats.origin_chunks,
