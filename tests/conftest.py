@@ -166,3 +166,25 @@ def same_tree(a, b) -> list[str]:
             if x.read() != y.read():
                 diff.append(name)
     return diff
+
+
+def forwarding_joins(procs, tmp_path, where, *join_args) -> tuple[object, list[dict]]:
+    """Two joins into ``where/copy0``, ``where/copy1`` forwarding to each other, each corrupting a fifth of the
+    chunks it sends: both end 0 with exact copies, something was forwarded and some chunks failed their
+    check.  Returns the model's folder and the joins' ``--report`` documents."""
+    from p2pweights.sources.synth import write_synthetic_model
+
+    src = tmp_path / "model"
+    write_synthetic_model(src, size_mb=4, shards=2)
+    seeder, info = procs.seeder(src, "--chunk-size", "64KiB", "--exit-after", 2,
+                                env={"P2PW_FAULTS": "delay_send=5"})  # slow enough that the joins forward
+    joins = [procs.join(info["port"], where / f"copy{k}", "--report", tmp_path / f"{k}.json", *join_args,
+                        env={"P2PW_FAULTS": f"corrupt=0.2,seed={k}"}) for k in range(2)]
+    for j in joins:
+        assert j.wait(60) == 0, j.output()
+    assert seeder.wait(60) == 0, seeder.output()
+    reports = [json.loads((tmp_path / f"{k}.json").read_text()) for k in range(2)]
+    assert sum(r["bytes_sent"] for r in reports) > 0 and sum(r["bad_chunks"] for r in reports) > 0
+    for k in range(2):
+        assert same_tree(src, where / f"copy{k}") == []
+    return src, reports

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import same_tree
+from conftest import forwarding_joins, same_tree
 
 from p2pweights.sources.synth import write_synthetic_model
 from p2pweights.storage.cache import memory_backed
@@ -133,20 +133,9 @@ def shm():
 
 
 def test_joins_into_tmpfs_forwarding_to_each_other_write_exact_copies_and_report_their_threads(procs, tmp_path, shm):
-    src = tmp_path / "model"
-    write_synthetic_model(src, size_mb=4, shards=2)
-    seeder, info = procs.seeder(src, "--chunk-size", CHUNK, "--exit-after", 2,
-                                env={"P2PW_FAULTS": "delay_send=5"})  # slow enough that the joins forward
     # each join corrupts a fifth of the chunks it forwards: none may reach the other's files
-    joins = [procs.join(info["port"], shm / f"copy{k}", "--report", tmp_path / f"{k}.json",
-                        env={"P2PW_FAULTS": f"corrupt=0.2,seed={k}"}) for k in range(2)]
-    for j in joins:
-        assert j.wait(60) == 0, j.output()
-    assert seeder.wait(60) == 0, seeder.output()
-    reports = [json.loads((tmp_path / f"{k}.json").read_text()) for k in range(2)]
-    assert sum(r["bytes_sent"] for r in reports) > 0 and sum(r["bad_chunks"] for r in reports) > 0
-    for k, r in enumerate(reports):
-        assert same_tree(src, shm / f"copy{k}") == []
+    _, reports = forwarding_joins(procs, tmp_path, shm)
+    for r in reports:
         assert r["ring"] is None  # tmpfs: verified in the network buffer, written once (no slot, no O_DIRECT)
         assert set(r["threads"]) >= {"loop", "zmq_io", "workers"} and r["threads"]["loop"] >= 0
         assert r["loop_us_per_chunk"] is not None and r["loop_us_per_chunk"] >= 0

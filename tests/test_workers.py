@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import same_tree
+from conftest import forwarding_joins, same_tree
 
 from p2pweights import api
 from p2pweights.sources.chunker import build
@@ -211,41 +211,32 @@ def test_nothing_unverified_is_written_by_the_workers_and_the_copy_is_exact(proc
 def test_joins_with_workers_forward_no_corrupt_chunk_and_end_exact(procs, tmp_path, where):
     """Two joins with 2 workers each, forwarding to each other, each corrupting a fifth of what it sends,
     every copy exact, every bad chunk counted and fetched again."""
-    src = tmp_path / "model"
-    write_synthetic_model(src, size_mb=4, shards=2)
-    seeder, info = procs.seeder(src, "--chunk-size", "64KiB", "--exit-after", 2,
-                                env={"P2PW_FAULTS": "delay_send=5"})  # slow enough that the joins forward
-    joins = [procs.join(info["port"], where / f"copy{k}", "--report", tmp_path / f"{k}.json", "--workers", 2,
-                        env={"P2PW_FAULTS": f"corrupt=0.2,seed={k}"}) for k in range(2)]
-    for j in joins:
-        assert j.wait(60) == 0, j.output()
-    assert seeder.wait(60) == 0, seeder.output()
-    reports = [json.loads((tmp_path / f"{k}.json").read_text()) for k in range(2)]
-    assert sum(r["bytes_sent"] for r in reports) > 0 and sum(r["bad_chunks"] for r in reports) > 0
-    for k, r in enumerate(reports):
-        assert same_tree(src, where / f"copy{k}") == []
+    _, reports = forwarding_joins(procs, tmp_path, where, "--workers", 2)
+    for r in reports:
         assert r["workers"] == 2 and r["checked_on_loop"] == 0 and r["threads"]["workers"] > 0
         assert r["refetched"] == r["bad_chunks"]
 
 
 def test_a_corrupt_chunk_never_reaches_a_partner_through_a_join_with_workers(procs, tmp_path):
     """A binomial tree (no partners: each peer has one source) of 5 joins with 2 workers each, the seeder
-    corrupting a fiftieth of what it sends: ranks 1, 2 and 4 (under the seeder) see bad chunks, ranks 3 and 5
-    (under rank 1, which forwards what it verified the moment it did) see none."""
+    corrupting a fiftieth of what it sends: the peers under the seeder see bad chunks, the peers under a
+    peer (which forwards only what it verified) see none.  Every peer stays, so the tree does not change."""
     src = tmp_path / "model"
     write_synthetic_model(src, size_mb=16, shards=2)
     seeder, info = procs.seeder(src, "--chunk-size", "64KiB", "--topology", "binomial",
                                 env={"P2PW_FAULTS": "corrupt=0.02,seed=3,delay_send=2ms"})
-    parent_of = {1: 0, 2: 0, 3: 1, 4: 0, 5: 1}
-    peers = {}
+    parent, peers = {}, {}
     for rank in range(1, 6):
         peers[rank] = procs.join(info["port"], tmp_path / f"r{rank}", "--report", tmp_path / f"r{rank}.json",
-                                 "--workers", 2)
-        seeder.wait_line(rf"joined as rank {rank} under rank {parent_of[rank]}\b")
+                                 "--workers", 2, "--stay")
+        parent[rank] = int(seeder.wait_line(rf"joined as rank {rank} under rank (\d+)\b").group(1))
     for rank, p in peers.items():
-        assert p.wait(90) == 0, p.output()
+        p.wait_line("staying to serve", timeout=90)
         assert same_tree(src, tmp_path / f"r{rank}") == []
     reports = {r: json.loads((tmp_path / f"r{r}.json").read_text()) for r in peers}
-    assert sum(reports[r]["bad_chunks"] for r in (1, 2, 4)) > 0, "the fault injection corrupted nothing"
-    assert reports[3]["bad_chunks"] == reports[5]["bad_chunks"] == 0
+    under_seeder = [r for r in peers if parent[r] == 0]
+    under_peer = [r for r in peers if parent[r] != 0]
+    assert under_peer, parent  # binomial: rank 3 is under rank 1
+    assert sum(reports[r]["bad_chunks"] for r in under_seeder) > 0, "the fault injection corrupted nothing"
+    assert all(reports[r]["bad_chunks"] == 0 for r in under_peer), (parent, reports)
     assert all(r["workers"] == 2 for r in reports.values())
