@@ -16,11 +16,11 @@ import os
 import re
 
 from ..errors import UserError
+from ..sources.validate import COMMIT  # one rule for a commit hash, the manifest's and the cache's
 from .cache import write_text_atomically
 from .paths import inside
 
 REPO_REF = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w][\w./-]*))?$")
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
 DEFAULT_REVISION = "main"
 
 
@@ -68,13 +68,13 @@ def resolve(text: str, hub: str | None = None) -> tuple[str, dict]:
         with open(os.path.join(root, "refs", revision)) as f:
             commit = f.read().strip()
     except OSError:
-        if not COMMIT.match(revision):
+        if not COMMIT.fullmatch(revision):
             refs = sorted(_refs(root))
             raise HFCacheError(f"{text}: {repo} in {hub} has no revision {revision!r} "
                                f"(refs there: {', '.join(refs) or 'none'})") from None
         commit = revision
     snapshot = os.path.join(root, "snapshots", commit)
-    if not COMMIT.match(commit) and not os.path.isdir(snapshot):
+    if not COMMIT.fullmatch(commit) and not os.path.isdir(snapshot):
         raise HFCacheError(f"{root}/refs/{revision} holds {commit[:60]!r}, not a commit hash")
     if not os.path.isdir(snapshot):
         raise HFCacheError(f"{text}: revision {revision} is commit {commit}, whose snapshot is not in {root}/snapshots")
@@ -146,7 +146,7 @@ def blob_names(manifest) -> list[str]:
 def check_publishable(manifest) -> None:
     """HFCacheError unless ``manifest`` came from a hub snapshot: a repo, a commit, an etag per file."""
     o = manifest.origin or {}
-    if not o.get("repo") or not COMMIT.match(o.get("commit", "")):
+    if not o.get("repo") or not COMMIT.fullmatch(o.get("commit", "")):
         raise HFCacheError("--hf-cache needs a model seeded from a Hugging Face cache (p2pw seed ORG/NAME): "
                            "this manifest names no repo and commit")
     bad = [f["name"] for f in manifest.files if not re.fullmatch(r"[\w.-]+", str(f.get("etag", ""))) or
