@@ -2,8 +2,8 @@
 catches a single changed byte, and the libtorrent baseline delivers byte-identical copies on
 the emulated hosts, also with one leecher killed mid-transfer.
 
-The testbed cases skip without network namespaces (not root) or without libtorrent (the
-``bench`` extra); the Testbed ends every process it started and deletes its namespaces.
+The testbed cases skip without network namespaces (not root) or without libtorrent (in the
+``test`` and ``bench`` extras); the Testbed ends every process it started and deletes its namespaces.
 """
 import sys
 from pathlib import Path
