@@ -27,7 +27,10 @@ show medians of ``--repeat`` runs.  ``bench/fleet.py`` does one run:
   ``--slow-hosts`` (1,2) at rate / ``--slow-factor`` (4), the floor staying
   S / B of the fast rate; ``kill``: SIGKILL of one receiver at a third of the
   transfer (the live receiver that has uploaded most, once it has received
-  S/3), timed to the survivors' last exit.
+  S/3), timed to the survivors' last exit; ``late``: equal uplinks, the
+  receivers launched one by one over ``--late-span`` floors (host h at
+  (h - 1) / (N - 1) of it), as an autoscaler starts pods, and timed against
+  the fluid bound for those arrivals (``late_bound``) as well as the floor.
 * seed tx/S: frame bytes host 0's link carried during the run over S (headers
   make one copy read about 1.046); CPU s/GB/peer: user+sys seconds of each
   receiver process (``os.wait4``) per GB of S, mean over receivers, and in
@@ -74,7 +77,7 @@ from testbed import Testbed, cpu_plan  # noqa: E402
 from p2pweights.cli import size as parse_size  # noqa: E402
 from p2pweights.sources.synth import write_synthetic_model  # noqa: E402
 
-CASES = ("equal", "slow1", "slow2", "kill")
+CASES = ("equal", "slow1", "slow2", "kill", "late")
 BT = "libtorrent"
 WARM = "@warm"  # a variant's suffix: its joins started before the clock (--warm)
 
@@ -128,13 +131,32 @@ def sim_ratio(n: int, size: int, rate_mbit: float, chunk: int | None, plan: str,
         return None
 
 
+def late_arrivals(n: int, span: float) -> dict[int, float]:
+    """Host h (1..n) launched at (h - 1) / (n - 1) of ``span`` seconds."""
+    return {h: span * (h - 1) / max(n - 1, 1) for h in range(1, n + 1)}
+
+
+def late_bound(size: int, rate_mbit: float, arrivals: dict[int, float]) -> float:
+    """The fluid lower bound on the last copy's time when host h arrives at ``arrivals[h]`` s, every uplink
+    (the seeder's too) B and downlinks free: the seeder sends every byte once (S / B); the last to arrive takes
+    S from at most N uplinks (a_max + S / (N B)); and the N S bytes received all leave an uplink, the seeder's
+    from 0 and host h's from a_h on ((N S / B + sum a_h) / (N + 1))."""
+    b, n = rate_mbit * 1e6 / 8, len(arrivals)
+    a = list(arrivals.values())
+    return max(size / b, max(a) + size / (n * b), (n * size / b + sum(a)) / (n + 1))
+
+
 def one_run(tb, variant: str, model: str, torrent: str | None, n: int, work: str, case: str, args) -> dict:
     kill = case == "kill"
+    floor = sum(fleet.source_files(model).values()) / (args.rate * 1e6 / 8)
+    arrivals = late_arrivals(n, args.late_span * floor) if case == "late" else None
     if variant == BT:
-        return fleet.run_libtorrent(tb, model, torrent, n, work, kill=kill, utp=args.bt_utp, timeout=args.timeout)
+        return fleet.run_libtorrent(tb, model, torrent, n, work, kill=kill, utp=args.bt_utp, timeout=args.timeout,
+                                    arrivals=arrivals)
     plan, warm = split_variant(variant)
     return fleet.run_p2pw(tb, model, n, work, plan=None if plan == "default" else plan, chunk=args.chunk_size,
-                          kill=kill, timeout=args.timeout, trace=args.trace, warm=warm)
+                          kill=kill, timeout=args.timeout, trace=args.trace, warm=warm and not arrivals,
+                          arrivals=arrivals)
 
 
 def _med(xs):
@@ -183,12 +205,22 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         "done_max": _med(rep(r, "done_at", max) for r in ok),
         "exit_max": _med(r["time"] for r in ok),
         "killed": [r["killed"] for r in ok if r.get("killed")],
+        "late_ratio": _med(r["time"] / late_bound(size, rate, r["arrivals"]) for r in ok) if case == "late" else None,
+        "late_ratios": [round(r["time"] / late_bound(size, rate, r["arrivals"]), 3) for r in ok] if case == "late"
+        else None,
+        "last_arrival": _med(_last_arrival(r) / floor for r in ok),
         "demoted": [r.get("demoted") or [] for r in ok] if variant != BT else None,
         "started_med": started,
         "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, split_variant(variant)[0], slow,
                                                     case == "kill", started),
     })
     return out
+
+
+def _last_arrival(r: dict) -> float:
+    """Seconds from the last receiver's launch to its exit."""
+    last = max(r["arrivals"], key=lambda h: (r["arrivals"][h], h))
+    return r["exits"][last] - r["arrivals"][last]
 
 
 def _f(x, fmt="{:.2f}", none="n/a"):
@@ -263,6 +295,25 @@ def detail_rows(summaries: list[dict]) -> list[str]:
     return rows
 
 
+LATE_HEAD = ("| N | tool | plan | t/floor | t/bound (runs) | all at once t/floor | the last to arrive: launch to exit / floor |\n"
+             "|---|---|---|---|---|---|---|")
+
+
+def late_rows(summaries: list[dict]) -> list[str]:
+    """Case late beside case equal of the same N and variant: the last exit over the floor and over the fluid bound
+    for the arrivals (``late_bound``), and the longest any host took from its own launch."""
+    by = {(s["n"], s["case"], s["variant"]): s for s in summaries}
+    rows = []
+    for s in summaries:
+        if s["case"] != "late" or s.get("ratio") is None:
+            continue
+        tool, plan = (BT, "bt") if s["variant"] == BT else ("p2pw", _plan(s["variant"]))
+        runs = ", ".join(f"{x:.2f}" for x in s["late_ratios"])
+        rows.append(f"| {s['n']} | {tool} | {plan} | {_cell(s, 'ratio')} | {_cell(s, 'late_ratio')} ({runs}) | "
+                    f"{_cell(by.get((s['n'], 'equal', s['variant'])), 'ratio')} | {_cell(s, 'last_arrival')} |")
+    return rows
+
+
 def _leaves(runs: list | None) -> str:
     """Each run's demotions, runs apart by ';' ("none" for a run without; blank for libtorrent)."""
     if runs is None:
@@ -300,6 +351,8 @@ def parse_args(argv):
     ap.add_argument("--tools", default=f"p2pw,{BT}", help=f"p2pw and/or {BT} (both)")
     ap.add_argument("--slow-hosts", default="1,2", help="hosts slow1 / slow2 throttle, in that order (1,2)")
     ap.add_argument("--slow-factor", type=float, default=4, help="a slow host's uplink is rate / this (4)")
+    ap.add_argument("--late-span", type=float, default=1.0,
+                    help="case late: the receivers arrive one by one over this many floors (1)")
     ap.add_argument("--repeat", type=int, help="runs per (case, tool, plan); the tables show medians (2; --quick 1)")
     ap.add_argument("--chunk-size", type=parse_size, help="p2pw seed --chunk-size (default: the seeder's own)")
     ap.add_argument("--piece-size", type=parse_size, default=256 << 10, help="libtorrent piece size (256KiB)")
@@ -448,6 +501,9 @@ def main(argv=None) -> int:
             f"joined by = last join()/session start, first chunk = median first verified chunk, last chunk = last "
             f"verified chunk, from the receivers' --report):\n\n{DETAIL_HEAD}\n"
             + "\n".join(detail_rows(summaries)) + "\n")
+    if late := late_rows(summaries):
+        text += (f"\nLate arrivals (receivers launched one by one over {args.late_span:g} floor; bound = the fluid "
+                 f"bound for the arrivals as launched, ``late_bound``):\n\n{LATE_HEAD}\n" + "\n".join(late) + "\n")
     print(text)
     if args.md:
         cmd = "sudo .venv/bin/python bench/broadcast.py " + " ".join(argv if argv is not None else sys.argv[1:])

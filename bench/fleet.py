@@ -96,6 +96,7 @@ class Receiver:
     copy_root: Path
     exit_s: float | None = None
     rc: int | None = None
+    arrive_s: float = 0.0  # launched this long after the first receiver (``arrivals``)
     cpu: float = 0.0
 
 
@@ -199,11 +200,12 @@ def _launch_warm(tb: Testbed, n: int, work: Path, tag: str, receivers_argv, copy
 
 
 def _timed(tb: Testbed, model: str, n: int, work: Path, tag: str, seeder, receivers_argv, copy_root,
-           kill: bool, timeout: float, on_kill=None, warm: bool = False) -> dict:
+           kill: bool, timeout: float, on_kill=None, warm: bool = False, arrivals: dict | None = None) -> dict:
     """Launch hosts 1..n's receivers, wait for them (killing one if asked), verify, measure.
 
     ``warm``: the receivers are ``warm_join.py`` processes, launched and imported before the clock
-    starts, which starts as each is given its go."""
+    starts, which starts as each is given its go.  ``arrivals``: {host: seconds after the clock starts}
+    to launch each receiver (late arrivals; hosts not named at once)."""
     size = sum(source_files(model).values())
     killer = Killer(size) if kill else None
     receivers = _launch_warm(tb, n, work, tag, receivers_argv, copy_root) if warm else []
@@ -216,11 +218,13 @@ def _timed(tb: Testbed, model: str, n: int, work: Path, tag: str, seeder, receiv
     for r in receivers:
         r.proc.stdin.write(b"g")
         r.proc.stdin.close()
-    if not warm:
-        receivers = [_launch(tb, h, work, tag, receivers_argv, copy_root) for h in range(1, n + 1)]
+    pending = [] if warm else sorted(range(1, n + 1), key=lambda h: ((arrivals or {}).get(h, 0.0), h))
     next_counters = t0
     try:
         while True:
+            while pending and time.monotonic() - t0 >= (arrivals or {}).get(pending[0], 0.0):
+                receivers.append(_launch(tb, pending.pop(0), work, tag, receivers_argv, copy_root))
+                receivers[-1].arrive_s = time.monotonic() - t0
             live = [r for r in receivers if r.rc is None]
             for r in live:
                 got = _reap(r.proc)
@@ -229,13 +233,13 @@ def _timed(tb: Testbed, model: str, n: int, work: Path, tag: str, seeder, receiv
                     if r.rc != 0 and not (killer and r.host == killer.host):
                         raise RunFailed(f"host {r.host} exited {r.rc} after {r.exit_s:.1f} s: {_tail(r.log)}")
             live = [r for r in receivers if r.rc is None]
-            if not live:
+            if not live and not pending:
                 break
             now = time.monotonic()
             if now - t0 > timeout:
                 killed = f" (h{killer.host} killed at {killer.at_s:.1f} s)" if killer and killer.host else ""
                 raise RunFailed(f"hosts {[r.host for r in live]} still running after {timeout:.0f} s{killed}: "
-                                f"{_tail(live[0].log)}")
+                                f"{_tail(live[0].log) if live else ''}")
             if killer and killer.host is None and now >= next_counters:
                 next_counters = now + KILL_POLL
                 counters = tb.counters()
@@ -272,6 +276,7 @@ def _timed(tb: Testbed, model: str, n: int, work: Path, tag: str, seeder, receiv
         "n": n, "size": size, "rates": {h: tb.rate_of(h) for h in range(tb.hosts)},
         "time": max(r.exit_s for r in survivors),
         "exits": {r.host: r.exit_s for r in survivors},
+        "arrivals": {r.host: r.arrive_s for r in survivors},
         "cpu": {r.host: r.cpu for r in survivors},
         "seed_cpu": seed_cpu, "seed_rc": seed_rc,
         "seed_tx": c1[0][0] - c0[0][0],
@@ -318,7 +323,7 @@ def start_cost(n: int, repeats: int = 3) -> tuple[float, float]:
 
 def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = None, chunk: int | None = None,
              kill: bool = False, timeout: float = 300, keep: bool = False, trace: bool = False,
-             warm: bool = False) -> dict:
+             warm: bool = False, arrivals: dict | None = None) -> dict:
     """p2pw: ``p2pw seed`` in host 0, ``p2pw join --parent H0 --out DIR --report F -q`` in hosts 1..n.
 
     ``plan`` None: the seeder's default (no --topology); ``chunk`` None: its default chunk size;
@@ -342,7 +347,7 @@ def run_p2pw(tb: Testbed, model: str, n: int, work: str, *, plan: str | None = N
         r = _timed(tb, model, n, work, tag, seeder,
                    lambda h, rep: [*(WARM_JOIN if warm else P2PW), "join", "--parent", parent, "--out",
                                    str(outs[h]), "--report", str(rep), "-q", *(["--trace"] if trace else [])],
-                   lambda h: outs[h], kill, timeout, warm=warm)
+                   lambda h: outs[h], kill, timeout, warm=warm, arrivals=arrivals)
     finally:
         if not keep:
             _cleanup(outs.values())
@@ -399,7 +404,7 @@ def demotions(events: list[tuple[float, str]], host_of: dict) -> list[tuple[int 
 
 
 def run_libtorrent(tb: Testbed, model: str, torrent: str, n: int, work: str, *, kill: bool = False,
-                   utp: bool = False, timeout: float = 300, keep: bool = False) -> dict:
+                   utp: bool = False, timeout: float = 300, keep: bool = False, arrivals: dict | None = None) -> dict:
     """libtorrent: a seeder in host 0, one leecher per host 1..n, each told every other host's address."""
     work = Path(work)
     tag = f"bt-{time.monotonic_ns()}"
@@ -420,7 +425,7 @@ def run_libtorrent(tb: Testbed, model: str, torrent: str, n: int, work: str, *, 
     try:
         seeder = _start_seeder(tb, argv, ready, seed_log)
         r = _timed(tb, model, n, work, tag, seeder, leech, lambda h: outs[h] / name, kill, timeout,
-                   on_kill=lambda h: (done / f"h{h}.gone").write_text(""))
+                   on_kill=lambda h: (done / f"h{h}.gone").write_text(""), arrivals=arrivals)
     finally:
         if not keep:
             _cleanup([*outs.values(), done])

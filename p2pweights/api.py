@@ -456,10 +456,13 @@ class Download:
         """Seconds and GB/s of fetch, verify, stage_host, h2d; when the first and last tensors were usable."""
         return self._device().report()
 
-    def close(self, linger: bool = False, timeout: float | None = None) -> None:
+    def close(self, linger: bool | float = False, timeout: float | None = None) -> None:
         """Stop.  With ``linger``, first keep serving until the tracker says no peer depends on us (by
-        plan, or as a partner still missing chunks, for a while)."""
-        if linger and not self.node.fatal:
+        plan, or as a partner still missing chunks: for a quarter of our download's time, or for ``linger``
+        seconds after our copy was complete where it is a number)."""
+        if linger is not False and not self.node.fatal:
+            if linger is not True and self.node.member is not None:
+                self.node.member.linger = float(linger)
             self.node.post(b"leave")
             self.node.left.wait(timeout)
         self.node.stop()

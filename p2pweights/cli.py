@@ -58,15 +58,20 @@ def at_least(minimum: int):
 positive, count = at_least(1), at_least(0)
 
 
-def seconds(text: str) -> float:
-    """A finite number of seconds > 0 (an argparse type)."""
+def seconds(text: str, zero: bool = False) -> float:
+    """A finite number of seconds > 0 (>= 0 with ``zero``; an argparse type)."""
     try:
         t = float(text)
     except ValueError:
         t = math.nan
-    if not 0 < t < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    if not (0 <= t if zero else 0 < t) or not t < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds {'>=' if zero else '>'} 0")
     return t
+
+
+def nonnegative_seconds(text: str) -> float:
+    """A finite number of seconds >= 0 (an argparse type)."""
+    return seconds(text, zero=True)
 
 
 def output_path(text: str) -> str:
@@ -350,7 +355,7 @@ def cmd_join(args) -> int:
         say("staying", "p2pw: staying to serve others (Ctrl-C to stop)")
         return serve_until_fatal(dl, every=0.2)
     else:
-        dl.close(linger=True)
+        dl.close(linger=True if args.linger is None else args.linger)
     return 0
 
 
@@ -687,6 +692,10 @@ def join_flags(j) -> None:
     j.add_argument("--model-id", help="accept only this model (its id, or at least the first 16 hex digits)")
     j.add_argument("--key", metavar="DIR", help="fleet key directory (p2pw keygen), as given to p2pw seed")
     j.add_argument("--stay", action="store_true", help="keep serving after the download completes")
+    j.add_argument("--linger", type=nonnegative_seconds, metavar="S",
+                   help="once the copy is complete, keep serving peers that still miss chunks (late arrivals are "
+                        "sent to complete holders first) for at most S seconds before exiting (default: a quarter "
+                        "of the download's time; peers planned under this one are served until done or moved)")
     j.add_argument("--window", type=positive, default=FIRST_WINDOW, help=WINDOW_HELP)
     j.add_argument("--workers", type=count, metavar="N",
                    help="threads that verify and write received chunks beside the event loop (default: "

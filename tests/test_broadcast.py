@@ -107,6 +107,24 @@ def test_join_through_a_peer_lands_where_the_tracker_says(procs, tmp_path, model
     seeder.wait_line(r"joined as rank 3 under rank 1")
 
 
+def test_a_late_join_takes_its_copy_from_the_complete_holders_and_lingers_as_asked(procs, tmp_path, model_dir):
+    seeder, info = procs.seeder(model_dir, "--chunk-size", CHUNK, "--report", tmp_path / "seed.json")
+    holders = [procs.join(info["port"], tmp_path / f"h{k}", "--report", tmp_path / f"h{k}.json", "--stay")
+               for k in range(3)]
+    for h in holders:
+        h.wait_line("staying to serve")
+    ranks = {json.loads((tmp_path / f"h{k}.json").read_text())["rank"] for k in range(3)}
+    late = procs.join(info["port"], tmp_path / "late", "--report", tmp_path / "late.json", "--trace",
+                      "--linger", "0")
+    assert late.wait(60) == 0, late.output()
+    assert same_tree(model_dir, tmp_path / "late") == []
+    r = json.loads((tmp_path / "late.json").read_text())
+    sources = {c[2] for c in r["chunks"]}
+    assert len(sources & ranks) >= 2, (sources, ranks)  # its backlog from several complete uplinks, not one
+    bad = procs.join(info["port"], tmp_path / "bad", "--linger", "-1")
+    assert bad.wait(30) == 2 and "--linger" in bad.output()
+
+
 def test_files_final_as_they_complete(procs, tmp_path, model_dir):
     """Each file keeps a .partial name until all its chunks are verified, then gets its final name at once:
     the small files (config, tokenizer) lead the blob, so they are final while the shards still download;

@@ -316,3 +316,17 @@ def test_the_first_peer_done_lends_the_seeder_to_the_peers_furthest_behind_until
     ep.review(sent=int(manifest.n_chunks * (1 + ROOT_LOAN_SHARE)) + 1)
     told = {i: e.fields["partners"] for i, e in sent(ep) if e.type == Msg.REPARENT}
     assert ep.tracker.loan.to == [] and not any(p.get("lent") for r in behind for p in told[f"id{r}".encode()])
+
+
+def test_a_leave_s_linger_zero_lets_a_done_member_go_without_waiting_for_partners(manifest):
+    ep, _ = endpoint(manifest)
+    join(ep, 8)
+    members = ep.tracker.members
+    leaver, partner = next((r, p) for r in members for p in members[r].partners if r not in members[p].parents)
+    for r in ep.tracker.members:
+        if r != partner:
+            ep.done(f"id{r}".encode(), {})
+    sent(ep)
+    ep.leave(f"id{leaver}".encode(), {"rank": leaver, "linger": 0})  # ``p2pw join --linger 0``
+    assert (f"id{leaver}".encode(), Msg.LEAVE_OK) in [(i, e.type) for i, e in sent(ep)]  # (its partners told)
+    assert ep.tracker.members[leaver].linger == 0 and ep.tracker.members[leaver].left

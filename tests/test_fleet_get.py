@@ -163,6 +163,19 @@ def test_a_tracker_serving_three_models_keeps_their_swarms_apart(procs, tmp_path
         s.close()
 
 
+def test_a_host_asks_by_model_id_alone_and_gets_the_swarm_s_manifest(procs, tmp_path, model_dir):
+    _, port = start_tracker(procs, tmp_path)
+    procs.start("seed", model_dir, "--tracker", f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", 0,
+                "--chunk-size", CHUNK, "--manifest", _manifest(tmp_path, model_dir))
+    mid = Manifest.from_json(open(_manifest(tmp_path, model_dir)).read()).model_id
+    for k, name in enumerate((mid, mid.upper())):  # published under its path; asked by the id it has
+        p = get(procs, name, port, tmp_path / f"by-id{k}", "--no-origin")
+        assert p.wait(120) == 0, p.output()
+        assert same_tree(model_dir, tmp_path / f"by-id{k}") == [] and report(tmp_path / f"by-id{k}")["model_id"] == mid
+    p = get(procs, "0" * 64, port, tmp_path / "unknown", "--connect-timeout", "1")
+    assert p.wait(60) == 1 and p.output().count("p2pw: error:") == 1
+
+
 def _manifest(tmp_path, model) -> str:
     path = tmp_path / f"{model.name}.manifest.json"
     if not path.exists():

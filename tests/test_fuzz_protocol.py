@@ -160,3 +160,13 @@ def test_no_member_message_crashes_the_tracker(messages):
         ep.take()
         ep.review()
     assert all(ep.tracker.members[r].rank == r for r in ep.idents)
+
+
+@pytest.mark.parametrize("linger", [-1, float("nan"), float("inf"), 1e12, "5", True, [1]])
+def test_a_leave_s_linger_is_a_number_of_seconds_or_refused(linger):
+    body = json.dumps({"rank": 3, "linger": linger}).encode()
+    assert decodes_or_refuses([header(Msg.LEAVE) + body]) is None
+    for ok in (0, 2.5, 86400):
+        got = protocol.decode([header(Msg.LEAVE) + json.dumps({"rank": 3, "linger": ok}).encode()])
+        assert got.fields["linger"] == ok
+    assert "linger" not in protocol.decode([header(Msg.LEAVE) + b'{"rank": 3}']).fields

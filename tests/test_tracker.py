@@ -65,6 +65,41 @@ def test_a_done_peer_waits_for_an_unfinished_partner_a_quarter_of_its_download_s
     assert t.leave(leaver) == [] and t.members[leaver].left
 
 
+def test_a_done_peer_s_linger_replaces_the_quarter_rule_both_ways():
+    clock = [0.0]
+    t = tracker_with(8, "forest:2", clock=lambda: clock[0])
+    pairs = [(r, p) for r in range(1, 9) for p in t.members[r].partners if p not in t.dependents(r)]
+    (a, pa), (b, pb) = pairs[0], next(x for x in pairs[1:] if x[0] != pairs[0][0] and x[1] == pairs[0][1])
+    clock[0] = 8.0  # an 8 s download: the quarter rule would wait 2 s
+    for r in t.members:
+        if r != pa:
+            t.done(r)
+    t.members[pa].seen = clock[0] = 8.0 + 5.0  # 5 s after: past the quarter, within a 10 s linger
+    assert t.leave(a, linger=10.0) == [pa]
+    assert t.leave(a) == [pa]  # the linger it said is kept for its next LEAVE (and the endpoint's retries)
+    t.members[pa].seen = clock[0] = 8.0 + 10.5
+    assert t.leave(a) == [] and t.members[a].left
+    assert t.leave(b, linger=0.0) == [] and t.members[b].left  # 0: no wait for partners at all
+
+
+def test_a_late_arrival_to_a_seeded_swarm_partners_with_the_complete_holders_first():
+    from p2pweights.swarm.tracker import PARTNERS, complete_holders
+
+    t = tracker_with(8, "forest:2", clock=lambda: 0.0)
+    for r in range(1, 6):
+        t.done(r)
+    t.take_moved()
+    late = t.join("late", "10.0.0.100:7000")
+    assert len(late.partners) >= PARTNERS
+    assert set(late.partners[:PARTNERS]) <= set(range(1, 6))  # every one of its first partners holds every chunk
+    assert set(t.take_moved()) >= set(late.partners[:PARTNERS])  # each holder is told of its new partner
+    for r in (6, 7, 8):
+        t.done(r)
+    for r in late.partners[:PARTNERS]:  # and waits to leave for it, as for any unfinished partner
+        assert late.rank in t.members[r].partners and t.leave(r) == [late.rank]
+    assert set(complete_holders(t.members, t.roster.live, late.rank)) == set(range(1, 9))
+
+
 def test_death_reattaches_the_whole_subtree_under_live_ancestors():
     t = tracker_with(7)  # 1 -> 3, 5; 3 -> 7
     moved = t.gone(1)

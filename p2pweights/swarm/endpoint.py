@@ -165,7 +165,7 @@ class TrackerEndpoint:
         rank = self.members.get(ident)
         if rank is None:
             raise ProtocolError("LEAVE from a connection that never joined")
-        waiting = self.tracker.leave(rank)
+        waiting = self.tracker.leave(rank, f.get("linger"))
         self.changed = True
         if waiting:
             self.leaving[rank] = ident

@@ -44,6 +44,7 @@ class Membership:
         self.heard = self.progress_at = self.reported_wait = now
         self.hello_sent = self.leave_next = 0.0
         self.done_reported = False
+        self.linger = None  # seconds to serve unfinished partners once done, sent with LEAVE (None: the tracker's rule)
         self.lost: dict[int, tuple[str, bool]] = {}  # planned rank given up -> (why, dead), until re-planned
         self.lost_reported: dict[int, float] = {}  # planned rank -> when we last sent ORPHAN for it
         self.probe_due = _probe_asked(probe)  # (sink port, bytes) to time our uplink with: now, or at a tick
@@ -162,7 +163,8 @@ class Membership:
                 node.stop_event.set()
             elif node.leave_when_done and now >= self.leave_next:
                 self.leave_next = now + LEAVE_POLL
-                self.post(protocol.control(Msg.LEAVE, rank=node.rank))
+                self.post(protocol.control(Msg.LEAVE, rank=node.rank,
+                                           **({} if self.linger is None else {"linger": self.linger})))
 
     def progressed(self, now: float) -> None:
         self.progress_at = now

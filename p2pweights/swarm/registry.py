@@ -2,7 +2,7 @@
 
 A manifest arrives with PUBLISH (an origin's URL and the manifest's canonical
 bytes, checked by the strict validator) and opens the swarm of its model id;
-LOOKUP answers the manifest last published for a URL.  A HELLO names its
+LOOKUP answers the manifest last published for a URL (or of a model id).  A HELLO names its
 swarm by the full model id; from then on its connection speaks to that swarm
 only (one member per connection, as in the seeder's tracker), so a peer of
 one model is never placed with, nor told of, another's.  Each swarm is a
@@ -150,6 +150,8 @@ class Registry:
     def lookup(self, ident: bytes, f: dict) -> bool:
         """LOOKUP: the manifest last published for ``url`` (MANIFEST), or an ERROR saying none is."""
         mid = self.urls.get(f["url"])
+        if mid is None and f["url"].lower() in self.swarms:  # a model id: its swarm's manifest, by whatever URL
+            mid = f["url"].lower()
         if mid is None or mid not in self.swarms:
             self._send(ident, protocol.control(Msg.ERROR, message=f"no manifest published for {f['url']}"))
         else:

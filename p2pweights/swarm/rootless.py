@@ -12,7 +12,7 @@ seeder's uplink, lent at the end in a seeded swarm, does not exist.
 """
 from __future__ import annotations
 
-from .tracker import ROOT, Member, Tracker
+from .tracker import ROOT, Member, Tracker, complete_holders  # noqa: F401 (complete_holders: this module's API)
 
 MAX_FEEDERS = 8  # origin readers one peer is made a partner of
 
@@ -50,7 +50,7 @@ class RootlessTracker(Tracker):
             self.sources.add(rank)
             self._note(self.topology.demote(rank))
 
-    def leave(self, rank: int) -> list[int]:
+    def leave(self, rank: int, linger: float | None = None) -> list[int]:
         """As ``Tracker.leave``; and with no seeder to fall back on, the last member holding every chunk stays
         while a member that pulls still lacks some (a chunk read by one reader may be nowhere else)."""
         m = self._member(rank)
@@ -59,13 +59,7 @@ class RootlessTracker(Tracker):
             unfinished = [x.rank for x in others if not x.done]
             if unfinished and not any(x.done for x in others):
                 return unfinished[:MAX_FEEDERS]
-        return super().leave(rank)
-
-    def partners_first(self, m: Member) -> list[int]:
-        """A late arrival partners with the members holding every chunk first, those feeding the fewest
-        unfinished partners first: its backlog comes from every complete uplink at once (an agent's copy stays
-        for ever), not from one partner still downloading.  The holders are the ones ``leave`` keeps."""
-        return complete_holders(self.members, self.roster.live, m.rank)
+        return super().leave(rank, linger)
 
     def dependents(self, rank: int) -> list[int]:
         return [r for r in super().dependents(rank) if r not in self.sources]
@@ -88,12 +82,3 @@ class RootlessTracker(Tracker):
                 out.append({"rank": r, "addr": self.listen_of(r), "ticket": self.seal.ticket(r, member.rank),
                             "downstream": 0})
         return out
-
-
-def complete_holders(members: dict[int, Member], live: list[int], rank: int) -> list[int]:
-    """Live members other than ``rank`` that hold every chunk, fewest unfinished partners first, then by rank."""
-    def load(r: int) -> int:
-        return sum(1 for p in members[r].partners if p in members and not members[p].done and not members[p].left)
-
-    return sorted((r for r in live if r != rank and members[r].done and not members[r].left),
-                  key=lambda r: (load(r), r))

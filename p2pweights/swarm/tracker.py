@@ -76,6 +76,7 @@ class Member:
     slow_seen: int = 0  # consecutive reviews that found its uplink slow
     demoted: bool = False
     probe: float = 0.0  # bytes/s its uplink sent PROBE_BYTES to the probe sink at join (0: not yet)
+    linger: float | None = None  # seconds it stays for unfinished partners once done (its LEAVE says; None: the rule)
 
 
 class TrackerError(UserError, ValueError):
@@ -281,6 +282,26 @@ class Pullers:
         return out
 
 
+def unfinished_partners(m: Member, members: dict[int, Member], now: float) -> list[int]:
+    """``m``'s partners still missing chunks and heard from within ``PARTNER_SILENCE`` (one dead that nobody
+    reported yet is not waited for), while ``m`` has been done for less than its ``linger`` seconds, by default
+    ``PARTNER_LINGER`` of its download's time (a partner far behind is not worth its user's wait)."""
+    since = now - m.done_at
+    if m.done and (since > PARTNER_LINGER * (m.done_at - m.joined) if m.linger is None else since >= m.linger):
+        return []
+    return [p for p in m.partners if (x := members.get(p)) is not None and not x.done and not x.left
+            and now - x.seen < PARTNER_SILENCE]
+
+
+def complete_holders(members: dict[int, Member], live: list[int], rank: int) -> list[int]:
+    """Live members other than ``rank`` that hold every chunk, fewest unfinished partners first, then by rank."""
+    def load(r: int) -> int:
+        return sum(1 for p in members[r].partners if p in members and not members[p].done and not members[p].left)
+
+    return sorted((r for r in live if r != rank and members[r].done and not members[r].left),
+                  key=lambda r: (load(r), r))
+
+
 def quantile(ordered: list[float], q: float) -> float:
     """The ``q`` quantile of the sorted ``ordered`` (a list or an array), interpolated (0 if empty)."""
     if len(ordered) == 0:
@@ -347,9 +368,10 @@ class Tracker:
         return m
 
     def partners_first(self, m: Member) -> list[int]:
-        """Whom newcomer ``m`` partners with before a sample of the rest: nobody here (the seeder's own uplink is
-        lent to the last peers instead)."""
-        return []
+        """Whom newcomer ``m`` partners with before a sample of the rest: the members holding every chunk, those
+        feeding the fewest unfinished partners first, so a late arrival takes its backlog from every complete
+        uplink at once, not from one partner still downloading (each waits to leave for it: ``leave``)."""
+        return complete_holders(self.members, self.roster.live, m.rank)
 
     def silent(self, timeout: float) -> list[int]:
         """Live members not heard from for ``timeout`` seconds: each is to be dropped (``gone``)."""
@@ -433,11 +455,15 @@ class Tracker:
         """Unfinished peers that pull from ``rank`` in some stripe."""
         return self.pullers.of(rank, self.members)
 
-    def leave(self, rank: int) -> list[int]:
+    def leave(self, rank: int, linger: float | None = None) -> list[int]:
         """Let ``rank`` leave if nobody depends on it, in its plan or as a partner still missing chunks
         (the last peers to finish take their backlog from every finished partner at once, not from one
-        planned source while the others have gone); returns who it must still wait for."""
-        waiting = self.dependents(rank) or self._unfinished_partners(self._member(rank))
+        planned source while the others have gone); returns who it must still wait for.  ``linger``: the
+        seconds it stays for partners once done (its ``--linger``; None: ``PARTNER_LINGER`` of its download)."""
+        m = self._member(rank)
+        if linger is not None:
+            m.linger = linger
+        waiting = self.dependents(rank) or self._unfinished_partners(m)
         if not waiting and not self._member(rank).left:
             self.roster.depart(self._member(rank))
             if self.placed:
@@ -445,14 +471,7 @@ class Tracker:
         return waiting
 
     def _unfinished_partners(self, m: Member) -> list[int]:
-        """``m``'s partners still missing chunks and heard from within ``PARTNER_SILENCE`` (one dead
-        that nobody reported yet is not waited for), while ``m`` has been done for less than
-        ``PARTNER_LINGER`` of its download's time (a partner far behind is not worth its user's wait)."""
-        now = self.clock()
-        if m.done and now - m.done_at > PARTNER_LINGER * (m.done_at - m.joined):
-            return []
-        return [p for p in m.partners if (x := self.members.get(p)) is not None and not x.done and not x.left
-                and now - x.seen < PARTNER_SILENCE]
+        return unfinished_partners(m, self.members, self.clock())
 
     def gone(self, rank: int) -> list[tuple[int, int]]:
         """``rank`` left without asking (closed, or found dead): place nobody under it.

@@ -132,7 +132,11 @@ def ask(agent: str, request: dict, timeout: float | None = None) -> dict:
         except PermissionError:
             raise AgentError(f"not allowed to use the p2pw agent's socket {path} (it admits its own user, root, "
                              "and the group given with --socket-group)") from None
-        sock.sendall(encode(request))
+        try:
+            sock.sendall(encode(request))
+        except OSError as e:  # a refusal may be answered and the socket closed before the request is read:
+            if e.errno not in (errno.ECONNRESET, errno.EPIPE):  # the answer waits in our receive buffer
+                raise
         try:
             answer = decode(read_line(sock, MAX_ANSWER))
         except socket.timeout:

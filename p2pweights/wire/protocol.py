@@ -98,7 +98,7 @@ class Msg(IntEnum):
     REQUEST = 7     # peer -> partner: u32 indices
     CHUNK = 8       # partner -> peer: u32 index + payload frame
     DONE = 9        # peer -> tracker: {rank, bytes, seconds}
-    LEAVE = 10      # peer -> tracker: {rank}
+    LEAVE = 10      # peer -> tracker: {rank, linger?}
     LEAVE_OK = 11   # tracker -> peer: {}
     LEAVE_WAIT = 12  # tracker -> peer: {waiting_for}
     HEARTBEAT = 13  # either way: {}; peer -> tracker adds {have, links, got: {rank: bytes/s}} (what it measures)
@@ -183,6 +183,16 @@ def _url(f: dict) -> None:
         raise ProtocolError(f"'url' is empty, longer than {MAX_URL} characters or not printable")
 
 
+MAX_LINGER = 1e9  # seconds: LEAVE's linger, a finite number of seconds up to about 30 years
+
+
+def _leave(f: dict) -> None:
+    """LEAVE's ``linger``, if any: seconds, a number from 0 to MAX_LINGER."""
+    v = f.get("linger")
+    if v is not None and (type(v) not in (int, float) or not 0 <= v <= MAX_LINGER):
+        raise ProtocolError(f"'linger' is not a number of seconds from 0 to {MAX_LINGER:g}")
+
+
 def _plan(f: dict) -> None:
     """WELCOME's and REPARENT's entries: each address HOST:PORT, or empty (the tracker's, as dialled)."""
     _addr("tracker address", f.get("tracker", ""))
@@ -202,6 +212,7 @@ FIELD_CHECKS = {
     Msg.WELCOME: _plan,
     Msg.REPARENT: _plan,
     Msg.ORPHAN: lambda f: _names(f, "reason"),
+    Msg.LEAVE: _leave,
     Msg.SHARE: _chunks,
     Msg.READ: _chunks,
     Msg.PUBLISH: _url,
