@@ -251,6 +251,20 @@ def test_a_waiters_range_is_fetched_first():
     assert asked(s) == {1: [12, 13]}
 
 
+def test_what_a_peer_waits_for_at_us_is_asked_of_our_planned_source_before_our_backlog():
+    # a late arrival placed above a peer under way: that peer holds 0-11 and parks 12, 13 here; we hold
+    # nothing yet, and our source everything
+    s, _ = sched(n=16, links={1: "1" * 16}, window=4)
+    s.awaited([12, 13])
+    assert asked(s) == {1: [12, 13, 0, 1]}  # its chunks first, then our backlog from the lowest
+    s.arrived(1, 12, ok=True)
+    assert not s.below >> 12 & 1 and s.below >> 13 & 1  # what we hold is no longer awaited
+    s.awaited([7])  # a chunk only a partner holds is not asked of a source that lacks it
+    s2, _ = sched(n=16, links={1: "1" * 7 + "." * 9}, window=4)
+    s2.awaited([9])
+    assert asked(s2) == {1: [0, 1, 2, 3]}
+
+
 def test_stripes_are_asked_of_their_own_planned_sources():
     s, _ = sched(n=8, stripes=2, plan=(1, 2), links={1: "11111111", 2: "11111111"}, window=2)
     got = asked(s)

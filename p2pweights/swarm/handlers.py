@@ -251,9 +251,12 @@ class Handlers:
             log.info("%s: a request on a connection dropped earlier; telling it to attach again", self._who(ident))
             n._send(ident, protocol.control(Msg.ERROR, message="not attached (the connection dropped): attach again"))
         elif kind == Msg.REQUEST:
-            for index in n.serve.request(ident, event.indices):
-                if n.reader is not None:
+            absent = n.serve.request(ident, event.indices)
+            if n.reader is not None:
+                for index in absent:
                     n.reader.want(index)
+            elif n.pull is not None:
+                n.pull.awaited(absent)
         elif kind == Msg.CANCEL:
             n.serve.cancel(ident, event.indices)
         elif kind in (Msg.HELLO, Msg.STATUS) and n.endpoint is None:

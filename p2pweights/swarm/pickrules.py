@@ -57,8 +57,10 @@ def share_of(sched, lk: Link, orphaned: int, bar: tuple[bool, int], typical: flo
 
 
 def planned_share(sched, ready: list[Link], orphaned: int, typical: float, out: dict) -> None:
-    """Rule 2: each link's share in index order, up to ``PARK_AHEAD`` parked ahead of what it holds (it
-    forwards each the moment it verifies, so a tree pipelines); the seeder last.  Sharers of an
+    """Rule 2: each link's share, first what peers wait for at us (``PullScheduler.awaited``: a peer placed
+    under us while we catch up is fed what it lacks, not our backlog, which it holds), then in index order,
+    up to ``PARK_AHEAD`` parked ahead of what it holds (it forwards each the moment it verifies, so a tree
+    pipelines); the seeder last.  Sharers of an
     orphaned stripe go cheapest first in random order (else the first listed carried it all); a peer
     more than two windows behind a source takes the rarest of the lowest first, ties apart, so
     siblings catching up on one source take different chunks and can give each other the rest."""
@@ -69,7 +71,9 @@ def planned_share(sched, ready: list[Link], orphaned: int, typical: float, out: 
         mask, k = share_of(sched, lk, orphaned, bar, typical)
         if mask is not None:
             behind = 2 * lk.window if spread and lk.rank != SEEDER else None
-            sched.ask(lk, sched.pick(lk, mask, k, park=PARK_AHEAD, spread_over=behind), out)
+            first = sched.pick(lk, mask & sched.below & lk.holds, k) if sched.below else []  # what waits on us
+            sched.ask(lk, first, out)
+            sched.ask(lk, sched.pick(lk, mask, k - len(first), park=PARK_AHEAD, spread_over=behind), out)
 
 
 def endgame(sched, ready: list[Link], out: dict) -> None:

@@ -59,6 +59,7 @@ class PullScheduler:
         self.inflight = 0  # asked of at least one link
         self.asked: dict[int, set[int]] = {}  # chunk -> ranks it is asked of
         self.urgent = 0
+        self.below = 0  # chunks a peer waits for at us (parked here): asked of our planned sources first
         self.movable = 0  # in flight, parked at a lagging source that lacks it
         self.orphan_at: dict[int, float] = {}  # orphaned chunk no partner holds -> since when
         self.holders = [0] * n_chunks  # ready links holding each chunk
@@ -189,6 +190,7 @@ class PullScheduler:
         self.dirty = True
         self.have |= 1 << index
         self.urgent &= ~(1 << index)
+        self.below &= ~(1 << index)
         for r in sorted(self.asked.get(index, ())):
             self.links[r].outstanding.pop(index, None)
             self._unask(index, r)
@@ -204,6 +206,13 @@ class PullScheduler:
         """A reader waits for ``indices``: ask for them before anything else."""
         self.dirty = True
         self.urgent |= bitset_of(indices) & ~self.have
+
+    def awaited(self, indices) -> None:
+        """Peers asked us for ``indices`` before we hold them (parked here): ask our planned sources for them
+        before the rest of their share (``pickrules.planned_share``)."""
+        if indices:
+            self.dirty = True
+            self.below |= bitset_of(indices) & ~self.have
 
     def got(self, index: int) -> bool:
         """Whether chunk ``index`` is verified here."""
