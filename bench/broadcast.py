@@ -211,8 +211,9 @@ def summarize(runs: list[dict], case: str, variant: str, n: int, rate: float, sl
         "last_arrival": _med(_last_arrival(r) / floor for r in ok),
         "demoted": [r.get("demoted") or [] for r in ok] if variant != BT else None,
         "started_med": started,
-        "sim": None if variant == BT else sim_ratio(n, size, rate, args.chunk_size, split_variant(variant)[0], slow,
-                                                    case == "kill", started),
+        # The simulator models no arrivals: no prediction for case late.
+        "sim": None if variant == BT or case == "late" else sim_ratio(
+            n, size, rate, args.chunk_size, split_variant(variant)[0], slow, case == "kill", started),
     })
     return out
 
