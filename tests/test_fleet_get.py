@@ -141,7 +141,7 @@ def test_a_tracker_serving_three_models_keeps_their_swarms_apart(procs, tmp_path
     _, port = start_tracker(procs, tmp_path)
     models = []
     for k in range(3):
-        write_synthetic_model(tmp_path / f"model{k}", size_mb=4 + k, shards=2)
+        write_synthetic_model(tmp_path / f"model{k}", size_mb=4 + k, shards=2, seed=k)  # no chunk alike
         models.append(tmp_path / f"model{k}")
         procs.start("seed", models[k], "--tracker", f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", 0,
                     "--chunk-size", CHUNK, "--manifest", _manifest(tmp_path, models[k]))
@@ -152,7 +152,9 @@ def test_a_tracker_serving_three_models_keeps_their_swarms_apart(procs, tmp_path
         out = tmp_path / f"m{k}-{j}"
         assert same_tree(models[k], out) == []
         r = report(out)
-        assert r["bad_chunks"] == 0 and r["duplicates"] == 0  # no chunk of another model ever arrived
+        # Another model's chunk fails this one's hash (the models share no bytes). A duplicate (a re-request
+        # after a stall under load) is the swarm's own chunk, so it says nothing here.
+        assert r["bad_chunks"] == 0  # no chunk of another model ever arrived
         assert r["model_id"] == Manifest.from_json(open(_manifest(tmp_path, models[k])).read()).model_id
     s = Stranger(port)
     try:
