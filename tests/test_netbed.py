@@ -123,3 +123,22 @@ def test_a_pinned_host_runs_on_its_cores_only():
                 time.sleep(0.01)
         assert os.sched_getaffinity(pinned.pid) == {cores[-1]}
         assert os.sched_getaffinity(free.pid) == set(cores)
+
+
+@pytest.mark.timeout(120)
+def test_per_destination_ceiling():
+    """dest_ceils={0: 25}: each of host 0's destination classes has ceil 25 Mbit/s, its uplink stays 100;
+    one flow stays under 25, two to different hosts together pass it; other hosts keep their fair classes."""
+    with Testbed(3, rate_mbit=100, dest_ceils={0: 25}) as tb:
+        assert tb.class_rate(0) == 100_000_000
+        assert [tb.class_ceil(0, j) for j in (1, 2)] == [25_000_000, 25_000_000]
+        assert [tb.class_ceil(1, j) for j in (0, 2)] == [100_000_000, 100_000_000]
+        one = flows(tb, [(0, 1)], seconds=1.5, port=5321)
+        two = flows(tb, [(0, 1), (0, 2)], seconds=1.5, port=5331)
+        tb.set_rate(0, 200)                         # changed in place: the ceilings stay
+        assert tb.class_rate(0) == 200_000_000 and tb.class_ceil(0, 2) == 25_000_000
+    assert one["mbit"] <= 25 * 1.05, one
+    assert all(m <= 25 * 1.05 for m in two["per_flow_mbit"]), two
+    assert two["mbit"] > 25 * 1.05, two             # the ceiling is per destination, not the host's
+    with pytest.raises(ValueError, match="fair=True"):
+        Testbed(2, dest_ceils={0: 25}, fair=False)

@@ -29,6 +29,12 @@ with its own FIFO, chosen by a u32 match on the destination address;
 anything else takes 1:10. Peers hold about one connection per pair, so per
 destination is per flow here. ``fair=False`` gives the single FIFO.
 
+Per-destination ceilings (``dest_ceils={i: C}``): host i's class for each
+destination gets ceil C Mbit/s instead of R_i (rate min(R_i/hosts, C)), so no
+one destination takes more than C of host i's uplink while all of them
+together may take R_i: an object store's throughput per client, below what
+its NIC and a client's NIC could carry.  Read back with ``class_ceil(i, j)``.
+
 A host's cap can be changed while the testbed runs (``set_rate(i, mbit)``,
 ``set_rates({i: mbit})``: an in-place ``tc class change``) and read back from
 the kernel (``class_rate(i)``, bits/s as ``tc`` reports it).
@@ -158,7 +164,8 @@ class Testbed:
     """``hosts`` emulated hosts on one bridge, each uplink capped at ``rate_mbit``.
 
     ``rates`` ({host index: Mbit/s}) gives some hosts their own uplink cap; ``cpus`` ({host index: [core,
-    ...]}, ``cpu_plan``) pins what a host runs to cores of its own.
+    ...]}, ``cpu_plan``) pins what a host runs to cores of its own; ``dest_ceils`` ({host index: Mbit/s})
+    caps what each destination may take of that host's uplink.
     """
 
     __test__ = False  # not a pytest test class, despite the name
@@ -173,6 +180,7 @@ class Testbed:
         rates: dict[int, float] | None = None,
         fair: bool = True,
         cpus: dict[int, list[int]] | None = None,
+        dest_ceils: dict[int, float] | None = None,
     ):
         net = ipaddress.ip_network(subnet)
         if hosts < 1 or hosts > net.num_addresses - 2:
@@ -188,6 +196,13 @@ class Testbed:
             if r <= 0:
                 raise ValueError(f"rate of host {i} must be > 0")
             self.rates[int(i)] = float(r)
+        self.dest_ceils: dict[int, float] = {}  # host -> ceil of each of its per-destination classes
+        for i, c in (dest_ceils or {}).items():
+            if not 0 <= i < hosts or c <= 0:
+                raise ValueError(f"dest_ceils: host {i} not in 0..{hosts - 1} or ceil {c} not > 0")
+            if not fair:
+                raise ValueError("dest_ceils needs fair=True (a class per destination)")
+            self.dest_ceils[int(i)] = float(c)
         self.latency_ms = float(latency_ms)
         self.congctl = congctl
         self.fair = bool(fair)
@@ -331,9 +346,10 @@ class Testbed:
         self._run([*tc, "class", verb, "dev", "eth0", "parent", "1:", "classid", "1:1",
                    *self._htb_class(r)])
         leaves = self._leaves(i)
-        for classid, _ in leaves:
+        for classid, dest in leaves:
+            ceil = min(r, self.dest_ceils.get(i, r)) if dest is not None else r
             self._run([*tc, "class", verb, "dev", "eth0", "parent", "1:1", "classid",
-                       classid, *self._htb_class(r / len(leaves), r)])
+                       classid, *self._htb_class(min(r / len(leaves), ceil), ceil)])
 
     def _cap(self, i: int) -> None:
         ns = self.ns(i)
@@ -387,7 +403,16 @@ class Testbed:
                 self.set_rate(i, want)
 
     def class_rate(self, i: int) -> int:
-        """Host i's uplink cap as the kernel holds it (htb class 1:1 rate, bits/s).
+        """Host i's uplink cap as the kernel holds it (htb class 1:1 rate, bits/s)."""
+        return self._class_bits(i, "1:1", "rate")
+
+    def class_ceil(self, i: int, j: int) -> int:
+        """The ceil of host i's class for destination host j as the kernel holds it (bits/s)."""
+        self.ns(j)
+        return self._class_bits(i, f"1:{0x100 + j:x}", "ceil")
+
+    def _class_bits(self, i: int, classid: str, field: str) -> int:
+        """``field`` (rate, ceil) of htb class ``classid`` on host i's eth0, bits/s.
 
         Parsed from ``tc -s class show`` text (this iproute2 has no JSON for classes).
         """
@@ -395,10 +420,10 @@ class Testbed:
                             capture_output=True, text=True)
         if cp.returncode != 0:
             raise TestbedError(f"tc class show in {self.ns(i)}: {cp.stderr.strip()}")
-        m = re.search(r"class htb 1:1 .*?\brate (\d+(?:\.\d+)?)([KMG]?)bit", cp.stdout)
+        m = re.search(rf"class htb {classid} .*?\b{field} (\d+(?:\.\d+)?)([KMG]?)bit", cp.stdout)
         if m:
             return round(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)])
-        raise TestbedError(f"no htb class 1:1 on {self.ns(i)} eth0")
+        raise TestbedError(f"no htb class {classid} on {self.ns(i)} eth0")
 
     def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:
         """Start argv inside host i's namespace; teardown kills it by PID.
