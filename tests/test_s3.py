@@ -269,6 +269,24 @@ def test_throttled_and_dropped_gets_resume_where_they_stopped(procs, tmp_path, b
             assert any(lo < a <= hi and b == hi for a, b in later), (ranged, later)
 
 
+def test_consecutive_chunks_are_read_with_one_ranged_get(procs, tmp_path, moto, bucket, model_dir, faulty):
+    """A seeder serving a published manifest reads runs of consecutive chunks, one ranged GET of at most
+    --s3-range-size each: fewer GETs than chunks, every byte of the bucket once, every chunk still verified."""
+    r = run("manifest", f"s3://{bucket}/model/", "--chunk-size", "256KiB", "-o", tmp_path / "m.json",
+            env=s3_env(moto.url))
+    assert r.returncode == 0, r.stderr
+    chunks = Manifest.from_json((tmp_path / "m.json").read_text()).n_chunks
+    proxy = faulty([])  # records every ranged GET
+    report, _ = broadcast(procs, tmp_path, f"s3://{bucket}/model", 1, s3_env(proxy.url), "--manifest",
+                          tmp_path / "m.json", "--s3-range-size", "1MiB")
+    assert same_tree(model_dir, tmp_path / "peer0") == []
+    assert report["bytes_read"] == size_of(model_dir)
+    spans = [(path, *map(int, rng.removeprefix("bytes=").split("-"))) for path, rng, _ in proxy.gets]
+    assert len(spans) == len(set(spans)) and sum(b - a + 1 for _, a, b in spans) == size_of(model_dir)
+    assert all(b - a + 1 <= 1 << 20 for _, a, b in spans)
+    assert len(spans) <= chunks // 2, (len(spans), chunks)
+
+
 def test_object_changed_before_serving_is_refused(tmp_path, moto, bucket):
     env = s3_env(moto.url)
     assert run("manifest", f"s3://{bucket}/model", "-o", tmp_path / "m.json", env=env).returncode == 0

@@ -5,7 +5,9 @@ one object) and lays them out as the blob, exactly as local files are laid
 out (name order, 4 KiB aligned).  ``S3Source`` reads blob ranges with
 ``concurrency`` ranged GETs of ``range_size`` bytes in flight, straight into
 the caller's buffer, each byte once; it has the interface the seeder uses for
-files (``BlobSource``).  Every GET carries ``If-Match`` with the object's ETag
+files (``BlobSource``).  Chunks asked for together are read as runs of
+consecutive chunks, one ranged GET of up to ``range_size`` bytes per run and
+object, each chunk verified on its own.  Every GET carries ``If-Match`` with the object's ETag
 (which the manifest records per file), so an object that changed under the
 seeder is refused by the store itself and never served.  A throttled (503
 SlowDown) or dropped GET is tried again after a backoff (``Retry``) from the
@@ -313,23 +315,57 @@ class S3Source:
         self._fill(lo, view)
         return digest(view) == manifest.chunks[index]
 
+    def runs(self, manifest, indices) -> list[list[int]]:
+        """``indices`` as runs of consecutive chunks of at most ``range_size`` bytes (one chunk at least)."""
+        runs: list[list[int]] = []
+        for i in sorted(indices):
+            if runs and runs[-1][-1] == i - 1 and manifest.chunk_span(i)[1] - manifest.chunk_span(runs[-1][0])[0] \
+                    <= self.range_size:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs
+
+    def read_run(self, manifest, run: list[int], view_of, digest) -> list[tuple[int, bool]]:
+        """Read consecutive chunks ``run`` with one ranged GET per object into ``view_of(index)``; whether each
+        chunk's hash is the manifest's.  A run that cannot be read is read again chunk by chunk, so only the
+        chunks of the object at fault fail."""
+        if len(run) > 1:
+            lo, hi = manifest.chunk_span(run[0])[0], manifest.chunk_span(run[-1])[1]
+            got = memoryview(bytearray(hi - lo))
+            try:
+                self._fill(lo, got)
+            except Exception:
+                return [(i, self._checked(manifest, i, view_of(i), digest)) for i in run]
+            out = []
+            for i in run:
+                a, b = manifest.chunk_span(i)
+                view = view_of(i)
+                view[:] = got[a - lo: b - lo]
+                out.append((i, digest(view) == manifest.chunks[i]))
+            return out
+        return [(run[0], self._checked(manifest, run[0], view_of(run[0]), digest))]
+
+    def _checked(self, manifest, index: int, view: memoryview, digest) -> bool:
+        """``read_chunk``, a failure reported (an object that changed once) and answered False."""
+        try:
+            return self.read_chunk(manifest, index, view, digest)
+        except ObjectChanged as e:
+            if str(e) not in self.changed:
+                self.changed.add(str(e))
+                log.error("%s: not serving its chunks (make the manifest again and restart the seeder)", e)
+        except Exception as e:  # a serving seeder reports a chunk it cannot read and goes on
+            log.error("chunk %d: %s", index, e)
+        return False
+
     def read_chunks(self, manifest, indices, view_of, digest):
-        """Yield ``(index, verified)`` for each chunk in ``indices`` as it lands in ``view_of(index)``, read in parallel.
+        """Yield ``(index, verified)`` for each chunk in ``indices`` as it lands in ``view_of(index)``: runs of
+        consecutive chunks (``runs``) read in parallel, one ranged GET each.
 
         A chunk of an object that changed (ETag) or cannot be read is reported and yields False."""
-        jobs = {self.pool.submit(self.read_chunk, manifest, i, view_of(i), digest): i for i in indices}
+        jobs = [self.pool.submit(self.read_run, manifest, run, view_of, digest) for run in self.runs(manifest, indices)]
         for job in as_completed(jobs):
-            try:
-                ok = job.result()
-            except ObjectChanged as e:
-                ok = False
-                if str(e) not in self.changed:
-                    self.changed.add(str(e))
-                    log.error("%s: not serving its chunks (make the manifest again and restart the seeder)", e)
-            except Exception as e:  # a serving seeder reports a chunk it cannot read and goes on
-                ok = False
-                log.error("chunk %d: %s", jobs[job], e)
-            yield jobs[job], ok
+            yield from job.result()
 
     def stream(self, total: int, chunk_size: int, into=None):
         """Yield ``(lo, view)`` for consecutive whole-chunk pieces of blob [0, total), in order, read with

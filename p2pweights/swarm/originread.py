@@ -3,7 +3,9 @@
 The tracker hands an origin reader shares of the chunks nobody holds yet
 (SHARE).  This thread reads each chunk of them that the store does not hold
 from the origin (``source.BlobSource``, ``objstore.S3Source``: anything with
-``read_chunks``) into a buffer of its own, verifies it against the manifest,
+``read_chunks``; an object store's reader asks for two ranged GETs' worth of
+consecutive chunks at a time, each GET a run of them) into a buffer of its
+own, verifies each chunk against the manifest,
 and hands it to the loop (``b"origin"`` on the inbox), which writes it into
 the store (unless a peer's copy came first), publishes it (partners hear of
 it at once and parked requests are served) and reports it to the tracker
@@ -25,6 +27,7 @@ log = logging.getLogger("p2pw")
 
 READY = struct.Struct("<I?")  # reader -> loop: chunk index, matched the manifest (as ``handlers.READY``)
 GROUP = 4  # chunks read at once from a source that reads one at a time (a parallel one reads its concurrency)
+RUNS = 2  # ranged GETs in flight per reader where a source reads runs of consecutive chunks (``range_size``)
 
 
 class OriginReader:
@@ -33,7 +36,8 @@ class OriginReader:
     def __init__(self, source, manifest, has, on_ready, on_exit=None):
         self.source, self.manifest, self.has, self.on_ready, self.on_exit = source, manifest, has, on_ready, on_exit
         self.digest = chunk_hasher(manifest.hash)
-        self.group = max(1, getattr(source, "concurrency", GROUP))
+        per_run = getattr(source, "range_size", 0) // manifest.chunk_size  # chunks one ranged GET reads
+        self.group = RUNS * per_run if per_run > 1 else max(1, getattr(source, "concurrency", GROUP))
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.ready: dict[int, bytearray] = {}  # read and verified, not yet taken by the loop
         self.stopping = False
