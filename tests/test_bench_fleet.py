@@ -158,3 +158,23 @@ def test_broadcast_refuses_more_cores_per_host_than_the_machine_has():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "broadcast.py"), "--cpus-per-host", "1000", "--quick"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--cpus-per-host 1000" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_why}")
+@pytest.mark.timeout(180)
+def test_fleet_bed_delivers_byte_identical_copies_in_every_mode(tmp_path):
+    """``bench/fleet_bed.py`` on two hosts and the S3 host: every copy is compared with the source inside the
+    run (a difference exits non-zero); the origin is read once with p2pw and once per host alone."""
+    pytest.importorskip("moto")
+    import json
+    import subprocess
+
+    out = tmp_path / "bed.json"
+    cp = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet_bed.py"), "--hosts", "2", "--size", "8MiB",
+                         "--rate", "200", "--runs", "1", "--json", str(out)], capture_output=True, text=True,
+                        timeout=170)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    read = {m: rs[0]["origin_read"] for m, rs in doc["runs"].items()}
+    assert read["alone"] == 2 * doc["bytes"] and read["seeder"] == doc["bytes"]
+    assert doc["bytes"] <= read["fleet"] <= 1.05 * doc["bytes"]
