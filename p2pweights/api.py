@@ -26,7 +26,7 @@ from .swarm.admission import CHILD_TIMEOUT, MAX_PER_HOST, MEMBER_TIMEOUT
 from .swarm.member import WAIT_REPORT
 from .swarm.node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .wire.protocol import Msg, ProtocolError, valid_host
-from .storage.ring import ChunkRing
+from .storage.ring import ChunkRing, ring_budget
 from .storage.workers import default_workers, in_flight_limit
 from .wire.context import node_context
 from .storage.store import SourceStore, SpaceError, Store, StoreClosed, blob_backing
@@ -817,7 +817,8 @@ def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, rin
 
     ``ring``: files on disk are received, written and served through a ``ring.ChunkRing`` where they can be
     written around the page cache (not for a device sink, which reads the store later, on its own thread), with
-    a slot more for each chunk ``workers`` threads may still verify and write.
+    a slot more for each chunk ``workers`` threads may still verify and write; it grows with the rate to an eighth
+    of ``memory_budget`` (``ring.ring_budget``).
 
     In the model cache's own folder, room is made first (eviction); the copy is locked for writing and
     the cache told of it.  Nothing is left behind on failure; not enough disk is remembered."""
@@ -835,7 +836,8 @@ def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, rin
             cache.remember(manifest, target, layout)
         # with out, the destination files are the store (mapped); else memory, or a temp file over the budget
         disk = DiskCache(manifest, target, verify=verify, names=names, direct=ring) if target is not None else None
-        slots = ChunkRing(manifest.chunk_size, busy=in_flight_limit(workers)) if disk and disk.direct else None
+        slots = (ChunkRing(manifest.chunk_size, busy=in_flight_limit(workers),
+                           most=ring_budget(manifest.chunk_size, memory_budget)) if disk and disk.direct else None)
         store = (Store(manifest, disk.filemap.buffer, files=disk, ring=slots) if disk is not None
                  else Store(manifest, blob_backing(manifest.total_size, memory_budget)))
         if held is not None:

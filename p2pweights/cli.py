@@ -720,7 +720,8 @@ def join_flags(j) -> None:
                    help="marker (default): a copy in --out whose .p2pw/complete.json matches the model is served "
                         "as it is; full: re-hash every chunk on disk first")
     j.add_argument("--memory-budget", type=size, metavar="SIZE",
-                   help="without --out, a blob larger than this is kept in a temporary file, not memory "
+                   help="without --out, a blob larger than this is kept in a temporary file, not memory; with "
+                        "--out, the ring serving recent chunks from memory grows to an eighth of it "
                         "(default: half the memory available)")
     j.add_argument("--report", type=output_path, help="write a JSON summary to this file")
     limit_flags(j)
