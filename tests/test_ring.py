@@ -78,10 +78,11 @@ def test_chunks_read_back_count_neither_as_received_nor_as_full():
     assert ring.slots == 1  # nothing received: no rate to grow for
 
 
-def test_ring_budget_is_an_eighth_of_the_memory_budget_at_least_the_default_ring():
-    least = max(MIN_SLOTS, RING_BYTES // (4 << 20))
-    assert ring_budget(4 << 20, 8 << 30) == 256 and ring_budget(4 << 20, 0) == least
+def test_ring_budget_is_an_eighth_of_the_memory_budget_and_caps_the_first_ring():
+    assert ring_budget(4 << 20, 8 << 30) == 256 and ring_budget(4 << 20, 0) == MIN_SLOTS
     assert ring_budget(C, 1 << 30) == (1 << 30) // 8 // C
+    assert ChunkRing(C, most=ring_budget(C, 1 << 30)).slots == RING_BYTES // C  # 16 MiB first
+    assert ChunkRing(C, busy=2, most=ring_budget(C, 1 << 20)).slots == MIN_SLOTS + 2  # a budget of 1 MiB
 
 
 def test_a_slot_being_sent_from_is_not_reused_until_the_send_is_done():

@@ -490,7 +490,7 @@ class DiskCache:
             if self.on_error:
                 self.on_error(self.error)
             return
-        self.close()
+        self.close(reads=False)  # chunks are still read back to be served while the node stays
         self.finished.set()
         if self.on_finished:
             self.on_finished()
@@ -550,8 +550,9 @@ class DiskCache:
             "model_id": m.model_id, "files": files, "bytes": sum(f["size"] for f in m.files), "time": time.time()})
         self._remove(os.path.join(d, PROGRESS))
 
-    def close(self) -> None:
-        """Stop the finisher (if running) and close the files; the mapping belongs to the store."""
+    def close(self, reads: bool = True) -> None:
+        """Stop the finisher (if running) and close the files (``reads``: those open for reading back too); the
+        mapping belongs to the store."""
         if not self.finished.is_set() and self.thread is not None and threading.current_thread() is not self.thread:
             self.queue.put(None)
             self.thread.join(5)
@@ -564,7 +565,7 @@ class DiskCache:
             self.fds.clear()
             self.direct_fds.clear()
             self.writes.stale.clear()
-        if self.reads is not None:
+        if reads and self.reads is not None:
             self.reads.close()
 
     def wait(self, timeout: float | None = None) -> bool:

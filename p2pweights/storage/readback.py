@@ -34,6 +34,8 @@ class ChunkReads:
         """Chunk ``index``'s bytes into ``into`` (page-aligned, at least the chunk's size rounded up to the 4 KiB
         grid: a file's last page is read whole); the padding between files as zeros.  OSError if a read fails
         or a file is shorter than the manifest says."""
+        if not self.fds:
+            raise OSError("the copy's files are closed")
         m = self.manifest
         lo, hi = m.chunk_span(index)
         at = lo  # blob offset of the next byte of ``into`` not yet filled

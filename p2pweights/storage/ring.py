@@ -47,11 +47,11 @@ class ChunkRing:
     def __init__(self, chunk_size: int, slots: int | None = None, busy: int = 0, most: int | None = None,
                  clock=time.monotonic):
         """``busy``: slots that may be taken and not yet held at once (chunks in the workers), on top of the
-        ``slots`` (default: RING_BYTES of them, at least MIN_SLOTS) that hold verified chunks; those grow with
-        the rate up to ``most`` slots (default: ``slots``, fixed)."""
+        ``slots`` (default: RING_BYTES of them, at least MIN_SLOTS, at most ``most``) that hold verified
+        chunks; those grow with the rate up to ``most`` slots (default: ``slots``, fixed)."""
         self.chunk_size, self.clock = chunk_size, clock
         self.stride = align_page(chunk_size)
-        first = slots or max(MIN_SLOTS, RING_BYTES // self.stride)
+        first = min(slots or max(MIN_SLOTS, RING_BYTES // self.stride), most or slots or 1 << 62)
         self.busy, self.most = busy, max(first, most or first)
         self.slots = first + busy  # slots in use now; ``grow`` adds more
         span = (self.most + busy) * self.stride
@@ -117,6 +117,10 @@ class ChunkRing:
         self.hits += 1
         return slot, self._slot(slot, size)
 
+    def slot_view(self, slot: int, size: int) -> memoryview:
+        """The first ``size`` bytes of ``slot`` (one taken by ``take``, or held)."""
+        return self._slot(slot, size)
+
     def pin(self, slot: int, tracker) -> None:
         """A send from ``slot`` is under way; ``tracker.done`` says when ZeroMQ no longer reads it."""
         if len(self.pins[slot]) >= 16:  # a slot served over and over (the join is complete): keep only live sends
@@ -147,8 +151,7 @@ class ChunkRing:
 
 
 def ring_budget(chunk_size: int, budget: int | None = None) -> int:
-    """The most slots a join's ring may grow to: 1/RING_BUDGET_SHARE of ``budget`` bytes (default: the memory
-    budget, ``store.memory_budget()``), at least the default ring's."""
+    """The most slots a join's ring may hold: 1/RING_BUDGET_SHARE of ``budget`` bytes (default: the memory
+    budget, ``store.memory_budget()``), at least MIN_SLOTS."""
     budget = memory_budget() if budget is None else budget
-    stride = align_page(chunk_size)
-    return max(MIN_SLOTS, RING_BYTES // stride, budget // RING_BUDGET_SHARE // stride)
+    return max(MIN_SLOTS, budget // RING_BUDGET_SHARE // align_page(chunk_size))
