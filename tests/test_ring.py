@@ -49,16 +49,24 @@ def test_the_ring_grows_with_the_rate_of_chunks_held_up_to_its_most():
     clock = Clock()
     ring = ChunkRing(C, slots=2, busy=1, most=10, clock=clock)
     assert ring.slots == 3 and ring.report()["most_slots"] == 11
+    for index in range(3):  # nobody asks for what it no longer holds: it keeps its first slots
+        slot, _ = ring.take(C)
+        clock.now += RATE_WINDOW / 3 + 1e-9
+        ring.hold(slot, index)
+    assert ring.slots == 3
+    assert ring.view(77, C) == (None, None)  # a miss: partners ask for more than it holds
     for index in range(3):  # 3 chunks in 0.25 s: 12 a second, 6 in RING_SECONDS (0.5 s)
         slot, _ = ring.take(C)
         clock.now += RATE_WINDOW / 3 + 1e-9
         ring.hold(slot, index)
     assert ring.slots == 6 + 1
+    ring.view(77, C)
     for index in range(3, 40):  # far faster: capped at most (and the busy slot)
         slot, _ = ring.take(C)
         clock.now += RATE_WINDOW / 30
         ring.hold(slot, index)
     assert ring.slots == 11
+    ring.view(77, C)
     clock.now += 10 * RATE_WINDOW  # slower again: it does not shrink (the slots keep their chunks)
     slot, _ = ring.take(C)
     ring.hold(slot, 99)

@@ -12,9 +12,10 @@ them.  A chunk whose slot was taken since is read back from the files into
 a slot by explicit reads (``readback``) and served from there.  The slots
 are the only memory the chunks pass through, faulted in once.
 
-The ring grows with the rate chunks are held at: enough slots for
-``RING_SECONDS`` of them (at least ``RING_BYTES``), up to ``most`` slots (a
-share of the memory budget, ``ring_budget``).  The whole span is mapped at
+The ring grows with the rate chunks are held at, once partners ask for
+chunks it no longer holds: enough slots for ``RING_SECONDS`` of them (at
+least ``RING_BYTES``), up to ``most`` slots (a share of the memory budget,
+``ring_budget``).  The whole span is mapped at
 the start; a slot's pages are allocated only once it is used.
 
 A slot is reused only once no send still reads it: ZeroMQ sends straight
@@ -65,15 +66,19 @@ class ChunkRing:
         self.hits = self.misses = 0  # sends from a slot; sends of a chunk no slot held any more (read back)
         self.read_back = 0  # chunks read back from the files into a slot to be sent
         self.window_at, self.window_chunks = clock(), 0  # the rate's window: its start, chunks held in it
+        self.window_misses = 0  # ``misses`` when the window began: the ring grows only if partners missed
 
     def grow(self, now: float) -> None:
-        """Once a window is over: enough slots for RING_SECONDS of the chunks held at its rate, up to ``most``."""
+        """Once a window is over in which a chunk was asked for after its slot was reused: enough slots for
+        RING_SECONDS of the chunks held at its rate, up to ``most`` (a join nobody pulls from keeps its first
+        slots: new memory costs a fault per page)."""
         took = now - self.window_at
         if took < RATE_WINDOW:
             return
-        want = math.ceil(self.window_chunks / took * RING_SECONDS) + self.busy
-        self.slots = max(self.slots, min(want, self.most + self.busy))
-        self.window_at, self.window_chunks = now, 0
+        if self.misses > self.window_misses:
+            want = math.ceil(self.window_chunks / took * RING_SECONDS) + self.busy
+            self.slots = max(self.slots, min(want, self.most + self.busy))
+        self.window_at, self.window_chunks, self.window_misses = now, 0, self.misses
 
     def take(self, size: int, received: bool = True):
         """``(slot, view of size bytes)`` to receive a chunk into (else to read one back into), dropping what
