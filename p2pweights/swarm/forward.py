@@ -1,14 +1,14 @@
 """Forward: chunks sent to partners; those no ring slot holds any more read back by the workers first.
 
 ``send`` hands a chunk's bytes to ZeroMQ without a copy (a send from a ring
-slot pins it until ZeroMQ lets go).  A partner's request for a verified chunk whose slot was reused is handed to
-the workers as a ``workers.Read`` into a free slot (taken now, so it is
-never reused meanwhile); the loop hears it is done on its inbox, holds the
-slot for the chunk, and sends from it (the send pins the slot until ZeroMQ
-lets go).  A send that would block waits here, first in line, for the next
-turn; one to a partner gone meanwhile is dropped.  With no workers, no free
-slot, or the pool full, the chunk is read back on the loop as it is sent
-(``Store.outgoing``).  Loop thread only.
+slot pins it until ZeroMQ lets go).  A request for a verified chunk whose
+slot was reused goes to the workers as a ``workers.Read`` into a free slot,
+taken now and kept taken until the loop, told on its inbox that the read is
+done, sends from it: nothing else lands in it meanwhile.  A send that would
+block waits here, first in line for its partner; one to a partner gone
+meanwhile is dropped.  With no workers, no free slot, or the pool full, the
+chunk is read back on the loop as it is sent (``Store.outgoing``).  Loop
+thread only.
 """
 from __future__ import annotations
 
@@ -83,10 +83,14 @@ class Forwarding:
         self.ready.append((job.ident, job.index, job.slot if job.ok else None))
 
     def flush(self) -> None:
-        """Send what was read, in order; stop at the first send that would block (it stays first)."""
+        """Send what was read, in order; a send that would block stays, first in line for its partner."""
         n, ring = self.node, self.node.store.ring
+        left, blocked = deque(), set()
         while self.ready:
-            ident, index, slot = self.ready[0]
+            ident, index, slot = item = self.ready.popleft()
+            if ident in blocked:
+                left.append(item)
+                continue
             if slot is None:
                 sent = ident not in n.children or self.send(ident, index)
             else:
@@ -95,5 +99,6 @@ class Forwarding:
                 if sent:  # pinned by the send, if there was one: held from now on
                     ring.hold(slot, index, received=False)
             if not sent:
-                return
-            self.ready.popleft()
+                left.append(item)
+                blocked.add(ident)
+        self.ready = left
