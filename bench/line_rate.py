@@ -3,6 +3,7 @@
 
     python bench/line_rate.py [--sizes 1GiB,3GiB] [--where disk,tmpfs] [--modes hop,relay] [--repeat 3]
                               [--cores K] [--chunk-size 4MiB] [--disk-dir /var/tmp] [--json FILE]
+                              [--join-args '--io-threads 2']
 
 Two shapes, each run by p2pw and by raw programs in the same invocation,
 alternating so both see the same machine:
@@ -278,7 +279,7 @@ class Run:
                 p.wait()
 
 
-def p2pw_run(mode: str, src: str, dests: list[str], chunk: int, pin, sampler, tmp: str) -> dict:
+def p2pw_run(mode: str, src: str, dests: list[str], chunk: int, pin, sampler, tmp: str, extra=()) -> dict:
     run = Run(pin, sampler)
     py = [sys.executable, "-m", "p2pweights"]
     joins = len(dests)
@@ -297,7 +298,7 @@ def p2pw_run(mode: str, src: str, dests: list[str], chunk: int, pin, sampler, tm
         before = sampler.mark(seed.pid)  # the seeder's hashing is not part of the run
         t0 = time.monotonic()
         procs = [run.start(py + ["join", "--parent", f"127.0.0.1:{port}", "--host", "127.0.0.1", "--out", d,
-                                 "-q", "--report", r], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                 "-q", "--report", r, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                  for d, r in zip(dests, reports)]
         secs = run.finish(procs, t0)
         run.finish([seed], t0)
@@ -402,7 +403,9 @@ def summarise(case: dict, total: int) -> list[str]:
     loops = [u for x in p for u in x["loop_us_per_chunk"] if u is not None]
     rings = [g for x in p for g in x.get("ring", []) if g]
     served = (f"; chunks served from ring slots {sum(g['sent_from_slots'] for g in rings)}, from the files "
-              f"{sum(g['sent_from_files'] for g in rings)}" if rings else "")
+              f"{sum(g['sent_from_files'] for g in rings)} (read back into slots "
+              f"{sum(g.get('read_back', 0) for g in rings)}), most slots {max(g['slots'] for g in rings)}"
+              if rings else "")
     cpu = {**per_gb(p, total), **per_gb(r, total)}
     lines.append("    CPU s/GB by thread: " + "; ".join(
         f"{proc}: " + ", ".join(f"{k} {v}" for k, v in sorted(rs.items(), key=lambda kv: -float(kv[1])))
@@ -433,6 +436,7 @@ def main() -> int:
     ap.add_argument("--disk-dir", default="/var/tmp", help="a directory on disk (not tmpfs) for the disk runs")
     ap.add_argument("--no-check", action="store_true", help="skip comparing each copy with the source")
     ap.add_argument("--json", help="write every run's figures here")
+    ap.add_argument("--join-args", default="", help="more flags for every p2pw join, e.g. '--io-threads 2'")
     a = ap.parse_args()
     pin = ["taskset", "-c", f"0-{a.cores - 1}"] if a.cores else []
     sampler = Threads()
@@ -462,7 +466,8 @@ def main() -> int:
                                     dests = [d + ".bin" for d in dests]
                                     case[who].append(raw_run(mode, src, dests, a.chunk_size, pin, sampler))
                                 else:
-                                    case[who].append(p2pw_run(mode, src, dests, a.chunk_size, pin, sampler, tmp))
+                                    case[who].append(p2pw_run(mode, src, dests, a.chunk_size, pin, sampler, tmp,
+                                                             a.join_args.split()))
                                 for d in dests:
                                     if not a.no_check:
                                         check_copy(src, d)

@@ -26,8 +26,9 @@ from .swarm.admission import CHILD_TIMEOUT, MAX_PER_HOST, MEMBER_TIMEOUT
 from .swarm.member import WAIT_REPORT
 from .swarm.node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .wire.protocol import Msg, ProtocolError, valid_host
-from .storage.ring import ChunkRing
+from .storage.ring import ChunkRing, ring_budget
 from .storage.workers import default_workers, in_flight_limit
+from .wire.context import node_context
 from .storage.store import SourceStore, SpaceError, Store, StoreClosed, blob_backing
 from .sources.formats import checkpoint_files, scan as scan_checkpoint
 from .sources.source import BlobSource, sending_read_bytes
@@ -92,7 +93,7 @@ class Seeder:
                  max_peers: int = 10_000, manifest: str | None = None, exclude=(),
                  s3_concurrency: int = 16, s3_range_size: int = 8 << 20, cache: ModelCache | None = None,
                  probe_port: int = 0, member_timeout: float = MEMBER_TIMEOUT, child_timeout: float = CHILD_TIMEOUT,
-                 max_per_host: int = MAX_PER_HOST, tracker: str | None = None):
+                 max_per_host: int = MAX_PER_HOST, tracker: str | None = None, io_threads: int | None = None):
         from .sources.chunker import build  # the seeder's parts: a join never imports them (start-up is on the clock)
         from .swarm.topology import make as make_topology
         from .swarm.tracker import Tracker
@@ -150,8 +151,8 @@ class Seeder:
         if tracker is not None:  # an origin reader in a standalone tracker's swarm, not a tracker
             from .origin import member_of
             return member_of(self, tracker, host=host, port=port, advertise=advertise, window=window, key=key,
-                             child_timeout=child_timeout, max_per_host=max_per_host)
-        router = self._listen(host, port, probe_port, key)
+                             child_timeout=child_timeout, max_per_host=max_per_host, io_threads=io_threads)
+        router = self._listen(host, port, probe_port, key, io_threads)
         advertise = advertise and "%s:%d" % parse_addr(advertise, self.port)  # WELCOME's tracker: HOST:PORT
         self.tracker = Tracker(self.topology, advertise or "", max_peers=max_peers)
         self.node = Node(self.ctx, router, self.manifest, self.store, peer_id="seeder", tracker=self.tracker,
@@ -166,10 +167,11 @@ class Seeder:
         self.io_at_serve = sending_read_bytes() if self.s3 is None else None
         self.node.start()
 
-    def _listen(self, host: str, port: int, probe_port: int, key):
+    def _listen(self, host: str, port: int, probe_port: int, key, io_threads: int | None = None):
         """The ROUTER peers and members reach (``self.port``) and the probe sink (``self.probe_sink``);
-        P2PError, with nothing left open, where either cannot listen."""
-        self.ctx = zmq.Context()
+        P2PError, with nothing left open, where either cannot listen.  ``io_threads``: libzmq's
+        (``wire.context.default_io_threads()`` by default)."""
+        self.ctx = node_context(io_threads)
         self.gate = keys.gate(self.ctx, key)  # ZAP allow-list, before any keyed socket exists
         router = None
         try:
@@ -330,7 +332,7 @@ class Download:
         """CPU seconds of this process's threads by role so far: ``loop`` (the node's event loop), ``zmq_io``
         (libzmq's I/O threads), ``workers`` (byte-path threads off the loop), ``finisher`` (fsyncs and renames),
         ``main`` and ``other`` (threads that have ended among them); ``loop_us_per_chunk``: the loop's CPU
-        microseconds per chunk received; ``workers``: the pool's threads, ``checked_on_loop``: chunks the loop
+        microseconds per chunk received; ``workers``: the pool's threads, ``io_threads``: libzmq's, ``checked_on_loop``: chunks the loop
         verified itself (no workers), ``waited_for_workers``: times it waited for one (every one busy)."""
         roles = dict.fromkeys(("loop", "zmq_io", "workers", "finisher", "main", "other"), 0.0)
         usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -359,7 +361,8 @@ class Download:
         got = self.node.stats.chunks_received
         return {"threads": {k: round(v, 3) for k, v in roles.items()},
                 "loop_us_per_chunk": round(roles["loop"] * 1e6 / got, 1) if got else None,
-                "workers": self.node.intake.pool.size, "checked_on_loop": self.node.intake.on_loop,
+                "workers": self.node.intake.pool.size, "io_threads": self.node.ctx.get(zmq.IO_THREADS),
+                "checked_on_loop": self.node.intake.on_loop,
                 "waited_for_workers": self.node.intake.pool.waits}
 
     @property
@@ -649,7 +652,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
          connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
          key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT, workers: int | None = None,
-         give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None,
+         io_threads: int | None = None, give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None,
          cache: ModelCache | None = None, hf_cache: str | None = None, retry_now: bool = False,
          trace: bool = False, origin=None, agent: str | None = None, **limits) -> Download | Attached:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
@@ -668,8 +671,8 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     failures (``retry_now`` ignores them).  ``hf_cache`` (a hub cache directory): the copy in the Hugging Face
     layout there (``hfcache``).  ``trace``: keep when and from whom each chunk verified (``Download.arrivals``).
     ``limits``: ``swarm.admission``'s.  ``origin`` (``origin.Origin``): ``parent`` is a standalone tracker; with its
-    ``source``, this host reads the shares of the origin it is handed.  ``workers``: threads that verify
-    and write received chunks beside the event loop (default: ``storage.workers.default_workers()``).
+    ``source``, this host reads the shares of the origin it is handed.  ``workers``, ``io_threads``: threads that
+    verify and write received chunks beside the loop, libzmq's that carry bytes (``default_workers``, ``wire.context``).
 
     One download per folder on a host: while another local process writes ``out`` (``localcopy``), this returns an
     ``Attached`` that reads that copy's files as they are verified, fetching nothing.
@@ -689,7 +692,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     held = claim_copy(out, model_id) if out is not None else None  # the folder's writer, reader or neither
     if held is not None and held.mode == "attach":
         return Attached(out, model_id, device)
-    ctx, gate, router, my_port = _bound(host, port, key, held)
+    ctx, gate, router, my_port = _bound(host, port, key, held, io_threads)
     me = advertise or local_ip_towards(p_host)
     peer_id = peer_id or f"{os.uname().nodename}-{os.urandom(4).hex()}"
     hello = {"peer_id": peer_id, "listen": f"{me}:{my_port}", "model_id": model_id, **(origin.hello if origin else {})}
@@ -727,10 +730,10 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     return dl
 
 
-def _bound(host: str, port: int, key, held):
-    """A join's context, its ZAP gate (keyed) and its router listening on ``host:port``; ``held`` (the copy's
-    claim) is let go if the port cannot be had."""
-    ctx = zmq.Context()
+def _bound(host: str, port: int, key, held, io_threads: int | None = None):
+    """A join's context (``io_threads`` I/O threads), its ZAP gate (keyed) and its router listening on
+    ``host:port``; ``held`` (the copy's claim) is let go if the port cannot be had."""
+    ctx = node_context(io_threads)
     gate = keys.gate(ctx, key)
     try:
         router, my_port = bind_router(ctx, host, port, key)
@@ -814,7 +817,8 @@ def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, rin
 
     ``ring``: files on disk are received, written and served through a ``ring.ChunkRing`` where they can be
     written around the page cache (not for a device sink, which reads the store later, on its own thread), with
-    a slot more for each chunk ``workers`` threads may still verify and write.
+    a slot more for each chunk ``workers`` threads may still verify and write; it grows with the rate to an eighth
+    of ``memory_budget`` (``ring.ring_budget``).
 
     In the model cache's own folder, room is made first (eviction); the copy is locked for writing and
     the cache told of it.  Nothing is left behind on failure; not enough disk is remembered."""
@@ -832,7 +836,8 @@ def _open_copy(manifest, out, cache, hf_cache, verify, memory_budget, where, rin
             cache.remember(manifest, target, layout)
         # with out, the destination files are the store (mapped); else memory, or a temp file over the budget
         disk = DiskCache(manifest, target, verify=verify, names=names, direct=ring) if target is not None else None
-        slots = ChunkRing(manifest.chunk_size, busy=in_flight_limit(workers)) if disk and disk.direct else None
+        slots = (ChunkRing(manifest.chunk_size, busy=in_flight_limit(workers),
+                           most=ring_budget(manifest.chunk_size, memory_budget)) if disk and disk.direct else None)
         store = (Store(manifest, disk.filemap.buffer, files=disk, ring=slots) if disk is not None
                  else Store(manifest, blob_backing(manifest.total_size, memory_budget)))
         if held is not None:

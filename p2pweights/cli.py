@@ -607,9 +607,17 @@ def limit_flags(p) -> None:
 
 
 def limits(args) -> dict:
-    """``limit_flags``' values, and a join's ``--workers``."""
+    """``limit_flags``' values, ``--io-threads``, and a join's ``--workers``."""
     return {"child_timeout": args.child_timeout, "max_per_host": args.max_conns_per_host,
+            **({"io_threads": args.io_threads} if "io_threads" in args else {}),
             **({"workers": args.workers} if "workers" in args else {})}
+
+
+def io_threads_flag(p) -> None:
+    """``--io-threads``: libzmq's threads that carry a node's bytes (``wire.context``)."""
+    p.add_argument("--io-threads", type=positive, metavar="N",
+                   help="libzmq I/O threads carrying this node's bytes, each connection on one (default: "
+                        "P2PW_IO_THREADS, else one per 4 cores, 1 to 8; more for NICs faster than about 25 Gbit/s)")
 
 
 def _seed_parser(sub) -> None:
@@ -653,6 +661,7 @@ def _seed_parser(sub) -> None:
                    help=f"drop a member not heard from for S seconds (default {MEMBER_TIMEOUT:g}; members report "
                         "every 0.5 s)")
     limit_flags(s)
+    io_threads_flag(s)
     s3_flags(s)
     s.add_argument("--progress-every", type=seconds, default=10.0, metavar="S",
                    help="seconds between lines about the fleet (peers, done, the slowest) while peers download")
@@ -700,6 +709,7 @@ def join_flags(j) -> None:
     j.add_argument("--workers", type=count, metavar="N",
                    help="threads that verify and write received chunks beside the event loop (default: "
                         "P2PW_WORKERS, else min(4, cores - 1), none on 1-2 cores; 0: the loop does it)")
+    io_threads_flag(j)
     j.add_argument("--connect-timeout", type=seconds, default=30.0, help="seconds to keep trying the parent")
     j.add_argument("--parent-timeout", type=seconds, default=5.0,
                    help="seconds of silence after which a partner is given up (a planned one for another)")
@@ -710,7 +720,8 @@ def join_flags(j) -> None:
                    help="marker (default): a copy in --out whose .p2pw/complete.json matches the model is served "
                         "as it is; full: re-hash every chunk on disk first")
     j.add_argument("--memory-budget", type=size, metavar="SIZE",
-                   help="without --out, a blob larger than this is kept in a temporary file, not memory "
+                   help="without --out, a blob larger than this is kept in a temporary file, not memory; with "
+                        "--out, the ring serving recent chunks from memory grows to an eighth of it "
                         "(default: half the memory available)")
     j.add_argument("--report", type=output_path, help="write a JSON summary to this file")
     limit_flags(j)

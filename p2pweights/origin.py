@@ -22,6 +22,7 @@ import zmq
 from .errors import P2PError
 from .sources.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
 from .wire import keys, protocol
+from .wire.context import node_context
 from .wire.protocol import Msg, ProtocolError
 
 log = logging.getLogger("p2pw")
@@ -182,7 +183,7 @@ def open_source(url: str, manifest: Manifest, s3_concurrency: int = 16, s3_range
 
 
 def member_of(s, tracker: str, *, host: str, port: int, advertise: str | None, window: int, key,
-              connect_timeout: float = 30.0, **limits) -> None:
+              connect_timeout: float = 30.0, io_threads: int | None = None, **limits) -> None:
     """Make seeder ``s`` (its manifest and store open) an origin reader of the standalone tracker's swarm: it
     publishes its manifest, joins, serves what it reads of the shares it is handed, and pulls nothing."""
     from .api import _handshake, local_ip_towards, parse_addr
@@ -191,7 +192,7 @@ def member_of(s, tracker: str, *, host: str, port: int, advertise: str | None, w
 
     t_host, t_port = parse_addr(tracker)
     tracker = f"{t_host}:{t_port}"
-    s.ctx, s.probe_sink, s.tracker = zmq.Context(), None, None
+    s.ctx, s.probe_sink, s.tracker = node_context(io_threads), None, None
     s.gate = keys.gate(s.ctx, key)
     try:
         router, s.port = bind_router(s.ctx, host, port, key)

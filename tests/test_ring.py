@@ -10,7 +10,7 @@ import pytest
 
 from p2pweights.storage.cache import DiskCache
 from p2pweights.sources.chunker import build
-from p2pweights.storage.ring import ChunkRing
+from p2pweights.storage.ring import MIN_SLOTS, RATE_WINDOW, RING_BYTES, ChunkRing, ring_budget
 from p2pweights.storage.store import Store
 
 C = 64 << 10
@@ -33,7 +33,64 @@ def test_slots_are_taken_oldest_first_and_drop_what_they_held():
     assert bytes(ring.view(1, C)[1]) == b"\x01" * C
     slot, _ = ring.take(100)  # the oldest slot: chunk 0 is no longer held
     assert slot == 0 and ring.view(0, C) == (None, None) and ring.view(2, C)[0] == 2
-    assert ring.report() == {"slots": 3, "held": 3, "full": 0, "sent_from_slots": 2, "sent_from_files": 1}
+    assert ring.report() == {"slots": 3, "most_slots": 3, "held": 3, "full": 0, "sent_from_slots": 2,
+                             "sent_from_files": 1, "read_back": 0}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_ring_grows_with_the_rate_of_chunks_held_up_to_its_most():
+    clock = Clock()
+    ring = ChunkRing(C, slots=2, busy=1, most=10, clock=clock)
+    assert ring.slots == 3 and ring.report()["most_slots"] == 11
+    for index in range(3):  # nobody asks for what it no longer holds: it keeps its first slots
+        slot, _ = ring.take(C)
+        clock.now += RATE_WINDOW / 3 + 1e-9
+        ring.hold(slot, index)
+    assert ring.slots == 3
+    assert ring.view(77, C) == (None, None)  # a miss: partners ask for more than it holds
+    for index in range(3):  # 3 chunks in 0.25 s: 12 a second, 6 in RING_SECONDS (0.5 s)
+        slot, _ = ring.take(C)
+        clock.now += RATE_WINDOW / 3 + 1e-9
+        ring.hold(slot, index)
+    assert ring.slots == 6 + 1
+    ring.view(77, C)
+    for index in range(3, 40):  # far faster: capped at most (and the busy slot)
+        slot, _ = ring.take(C)
+        clock.now += RATE_WINDOW / 30
+        ring.hold(slot, index)
+    assert ring.slots == 11
+    ring.view(77, C)
+    clock.now += 10 * RATE_WINDOW  # slower again: it does not shrink (the slots keep their chunks)
+    slot, _ = ring.take(C)
+    ring.hold(slot, 99)
+    assert ring.slots == 11 and ring.view(99, C)[0] == slot
+
+
+def test_chunks_read_back_count_neither_as_received_nor_as_full():
+    clock = Clock()
+    ring = ChunkRing(C, slots=1, most=4, clock=clock)
+    slot, _ = ring.take(C, received=False)
+    ring.hold(slot, 5, received=False)
+    ring.pin(slot, Tracker())
+    assert ring.take(C, received=False) == (None, None)
+    assert ring.report()["held"] == 0 and ring.report()["full"] == 0 and ring.report()["read_back"] == 1
+    clock.now += 2 * RATE_WINDOW
+    ring.grow(clock.now)
+    assert ring.slots == 1  # nothing received: no rate to grow for
+
+
+def test_ring_budget_is_an_eighth_of_the_memory_budget_and_caps_the_first_ring():
+    assert ring_budget(4 << 20, 8 << 30) == 256 and ring_budget(4 << 20, 0) == MIN_SLOTS
+    assert ring_budget(C, 1 << 30) == (1 << 30) // 8 // C
+    assert ChunkRing(C, most=ring_budget(C, 1 << 30)).slots == RING_BYTES // C  # 16 MiB first
+    assert ChunkRing(C, busy=2, most=ring_budget(C, 1 << 20)).slots == MIN_SLOTS + 2  # a budget of 1 MiB
 
 
 def test_a_slot_being_sent_from_is_not_reused_until_the_send_is_done():
@@ -131,10 +188,12 @@ def test_copy_through_the_ring_is_byte_exact_and_serves_evicted_chunks_from_the_
         store.write(i, view, slot)
         store.verified(i)
         assert bytes(store.outgoing(i)[1]) == bytes(data[lo:hi])  # served from its slot
-    assert ring.view(m.n_chunks - 1, 1) == (None, None)  # evicted long ago: served from the files
+    assert ring.view(m.n_chunks - 1, 1) == (None, None)  # evicted long ago: read back from the files
     for i in range(m.n_chunks):
         lo, hi = m.chunk_span(i)
-        assert bytes(store.outgoing(i)[1]) == bytes(data[lo:hi])
+        slot, view = store.outgoing(i)
+        assert slot is not None and bytes(view) == bytes(data[lo:hi])  # into a slot, never the mapping
+    assert ring.report()["read_back"] >= m.n_chunks - 2
     assert_files_final_and_exact(src, out, m, cache, store)
 
 

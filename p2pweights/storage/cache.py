@@ -51,6 +51,7 @@ from ..errors import UserError
 from ..sources.manifest import chunk_hasher
 from ..sources.validate import STATE_DIR  # what p2pw keeps about a copy; a seeder never serves it
 from .paths import PathError, inside
+from .readback import DIRECT_ALIGN, ChunkReads
 from .store import FileMap, check_space
 
 PARTIAL = ".partial"
@@ -62,7 +63,6 @@ PROGRESS_EVERY = 1.0  # seconds between progress.json updates (each a temporary 
 WRITE_BACK_EVERY = 4 << 20  # writeback of verified chunks is started every this many bytes (the last batch
 #                             is what the final fsync waits for: eight joins on one disk wrote 16 MiB each then)
 SYNC_FILE_RANGE_WRITE = 2
-DIRECT_ALIGN = 4096  # O_DIRECT: memory, file offset and length on this grid (every block size in use divides it)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
@@ -307,6 +307,7 @@ class DiskCache:
         # direct: the files are open for O_DIRECT too (``write_direct``, from a ring slot), where the filesystem
         # takes it, chunks start on its grid, and nothing was read through the page cache (no resume)
         self.direct = False
+        self.reads: ChunkReads | None = None  # with direct: the files open for reading chunks back (``readback``)
         self.direct_fds: dict[int, int] = {}  # open while file i is not final
         self.writes = ChunkWrites(self)  # from worker threads: file i's fds stay open while a write uses them
         self.finished = threading.Event()
@@ -380,6 +381,8 @@ class DiskCache:
             if direct and not self.resuming:
                 self.direct_fds = open_direct([p + PARTIAL for p in self.paths])
                 self.direct = bool(self.direct_fds)
+                if self.direct:  # what the ring no longer holds is read back from here to be served
+                    self.reads = ChunkReads(self.manifest, [p + PARTIAL for p in self.paths], self.chunk_files)
             self.filemap = FileMap(self.manifest.total_size,
                                    [(self.fds[i], f["offset"], f["size"]) for i, f in enumerate(self.manifest.files)],
                                    writable=True)
@@ -487,7 +490,7 @@ class DiskCache:
             if self.on_error:
                 self.on_error(self.error)
             return
-        self.close()
+        self.close(reads=False)  # chunks are still read back to be served while the node stays
         self.finished.set()
         if self.on_finished:
             self.on_finished()
@@ -547,8 +550,9 @@ class DiskCache:
             "model_id": m.model_id, "files": files, "bytes": sum(f["size"] for f in m.files), "time": time.time()})
         self._remove(os.path.join(d, PROGRESS))
 
-    def close(self) -> None:
-        """Stop the finisher (if running) and close the files; the mapping belongs to the store."""
+    def close(self, reads: bool = True) -> None:
+        """Stop the finisher (if running) and close the files (``reads``: those open for reading back too); the
+        mapping belongs to the store."""
         if not self.finished.is_set() and self.thread is not None and threading.current_thread() is not self.thread:
             self.queue.put(None)
             self.thread.join(5)
@@ -561,6 +565,8 @@ class DiskCache:
             self.fds.clear()
             self.direct_fds.clear()
             self.writes.stale.clear()
+        if reads and self.reads is not None:
+            self.reads.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once every file is complete under its final name and the marker is written."""

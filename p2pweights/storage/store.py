@@ -261,14 +261,34 @@ class Store:
 
     def outgoing(self, index: int):
         """``(ring slot or None, bytes)`` of chunk ``index`` for a send (which pins the slot while it reads): a
-        ring slot if one holds it, else the buffer."""
+        ring slot if one holds it, or one it is read back into from the files; else the buffer."""
         lo, hi = self.manifest.chunk_span(index)
         if self.ring is not None:
             slot, view = self.ring.view(index, hi - lo)
-            if slot is not None:
-                return slot, view
-            self.buffer.madvise(mmap.MADV_WILLNEED, lo, hi - lo)  # the files: read the chunk back at once
+            if slot is None:
+                slot, view = self._read_back(index)
+            if view is not None:
+                return slot, view[:hi - lo]
         return None, self.view[lo:hi]
+
+    def _read_back(self, index: int):
+        """``(slot or None, view)`` of verified chunk ``index`` read from the files (``readback``) into a free
+        ring slot, or with every slot busy into a buffer of its own (the send keeps it); ``(None, None)``
+        where the files cannot be read so (the buffer serves it)."""
+        reads = getattr(self.files, "reads", None)
+        if reads is None:
+            return None, None
+        slot, view = self.ring.take(self.ring.stride, received=False)
+        into = view if view is not None else memoryview(mmap.mmap(-1, self.ring.stride))
+        try:
+            reads.read(index, into)
+        except OSError:
+            if slot is not None:
+                self.ring.release(slot)
+            return None, None
+        if slot is not None:
+            self.ring.hold(slot, index, received=False)
+        return slot, into
 
     def has(self, index: int) -> bool:
         return bool(self.have[index])

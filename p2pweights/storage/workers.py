@@ -16,6 +16,11 @@ over the next, so the queue never grows and the loop spends no CPU on
 bytes; the frames it has not taken yet stay in ZeroMQ's queues, within the
 credit windows that let them be sent.  With no threads every job is done on
 the loop (``check``), as before the pool.
+
+The workers also read verified chunks back from the files into ring slots
+for the loop to send (``Read``, ``swarm.forward``): a chunk served after its
+slot was reused costs the loop nothing, and libzmq's I/O thread no page
+faults.
 """
 from __future__ import annotations
 
@@ -57,6 +62,17 @@ class Job:
         self.got = len(data)
         self.slot = self.into = None
         self.ok, self.error, self.seconds = False, None, 0.0
+
+
+class Read:
+    """Verified chunk ``index``, asked for by ``ident``, to be read back from the files into ``into`` (ring
+    ``slot``'s view) to be sent; ``ok`` and ``error`` once read."""
+
+    __slots__ = ("index", "ident", "slot", "into", "ok", "error", "data", "frame")
+
+    def __init__(self, index: int, ident: bytes, slot: int, into):
+        self.index, self.ident, self.slot, self.into = index, ident, slot, into
+        self.ok, self.error, self.data, self.frame = False, None, None, None
 
 
 class ChunkWorkers:
@@ -102,6 +118,15 @@ class ChunkWorkers:
         job.data = job.frame = None
         return job
 
+    def read(self, job: Read) -> Read:
+        """Read ``job``'s chunk back from the files into its slot (any thread; ``readback``)."""
+        try:
+            self.store.files.reads.read(job.index, job.into)
+            job.ok = True
+        except OSError as e:
+            job.error = e.strerror or str(e)
+        return job
+
     def take(self) -> list[Job]:
         """Jobs checked since the last call, in the order they were done (the loop's thread)."""
         self.woken = False  # before draining: a job done after this sends a wake of its own
@@ -132,7 +157,7 @@ class ChunkWorkers:
         _name_self(threading.current_thread().name)
         while (job := self.todo.get()) is not None:
             try:
-                self.check(job)
+                self.read(job) if type(job) is Read else self.check(job)
             except Exception as e:  # a bug: the loop fails the download with it rather than lose the job
                 job.ok, job.error, job.data, job.frame = False, f"internal error: {e!r}", None, None
             self.done.put(job)

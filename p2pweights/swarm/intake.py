@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from ..storage.workers import ChunkWorkers, Job
+from ..storage.workers import ChunkWorkers, Job, Read
 
 log = logging.getLogger("p2pw")
 
@@ -49,7 +49,7 @@ class Intake:
         store = self.node.store
         while self.pool.full:  # asleep until a worker is done with one: the loop does no byte work
             for done in self.pool.wait():
-                self.verdict(done)
+                self._done(done)
         if store.ring is not None:
             lo, hi = store.manifest.chunk_span(job.index)
             job.slot, job.into = store.ring.take(hi - lo)
@@ -60,6 +60,13 @@ class Intake:
     def checked(self) -> None:
         """The workers have verdicts (a wake on the inbox): act on each."""
         for job in self.pool.take():
+            self._done(job)
+
+    def _done(self, job) -> None:
+        """A worker is done with ``job``: a chunk checked, or one read back to be sent (``forward``)."""
+        if type(job) is Read:
+            self.node.forwarding.done(job)
+        else:
             self.verdict(job)
 
     def verdict(self, job: Job) -> None:

@@ -31,13 +31,13 @@ from ..errors import P2PError
 from .handlers import MAX_BAD_FROM_PARENT, MAX_BAD_MESSAGES, NOBLOCK, READY, Child, Handlers  # noqa: F401
 from ..sources.manifest import chunk_hasher
 from .admission import CHILD_TIMEOUT, MAX_PER_HOST, Admission
+from .forward import Forwarding
 from .intake import Intake
 from .member import Membership
 from .partners import Partners, send_nowait, tcp  # noqa: F401  (tcp: part of the node's surface)
 from ..wire.protocol import MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: part of the node's limits)
 from .pull import DEFAULT_WINDOW, PullScheduler
 from .serve import MAX_PARKED, Announcer, UploadScheduler
-from ..sources.source import SourceError
 
 log = logging.getLogger("p2pw")
 
@@ -150,6 +150,7 @@ class Node:
         self.extra_done = []  # callables that must be true before the peer counts as done (disk cache)
         self.fatal, self.thread = None, None  # (str: why the download failed; the loop's threading.Thread)
         self.intake = Intake(self, workers)  # chunks received: verified and written by ``workers`` threads
+        self.forwarding = Forwarding(self)  # chunks sent; those no ring slot holds read back by the workers first
 
     # ----- other threads -------------------------------------------------
 
@@ -248,13 +249,14 @@ class Node:
         if self.endpoint is not None:
             for ident, frames in self.endpoint.take():
                 self._send(ident, *frames)
+        self.forwarding.flush()  # chunks the workers read back, first: they were asked for before
         blocked = set()
         for _ in range(SEND_BUDGET):
             item = self.serve.next(skip=blocked)
             if item is None:
                 break
             ident, index = item
-            if not self._send_chunk(ident, index):
+            if not self.forwarding.send(ident, index):
                 self.serve.blocked(ident, index)
                 blocked.add(ident)
 
@@ -322,24 +324,6 @@ class Node:
                 self.forget(ident)
                 return False
             raise
-
-    def _send_chunk(self, ident: bytes, index: int) -> bool:
-        """Send chunk ``index`` to ``ident``; False if it would block (try again later)."""
-        try:
-            slot, data = self.store.outgoing(index)
-        except SourceError as e:  # a seeder's file changed under it: it ends, no peer gets those bytes
-            self._fail(str(e))
-            return True
-        if self.faults is not None and (data := self.faults.outgoing(index, data)) is None:
-            return True  # dropped by an injected fault
-        if sent := self._send(ident, protocol.chunk_header(index), data, copy=False, track=slot is not None):
-            if slot is not None:
-                self.store.ring.pin(slot, sent)
-            self.stats.chunks_sent += 1
-            self.stats.bytes_sent += len(data)
-            self.serve.sent(index)
-            return True
-        return ident not in self.children  # gone: nothing to retry
 
     def drop_conn(self, ident: bytes) -> None:
         """Keep no state for connection ``ident`` (it no longer counts against its address's cap)."""

@@ -1,0 +1,31 @@
+"""Context: the ZeroMQ context of a node, and how many libzmq I/O threads carry its bytes.
+
+libzmq moves every byte of a connection on one of its context's I/O threads
+(each connection is given to the least busy one when it opens).  One thread
+carries about 3.5-6.5 GB/s of chunks on loopback (0.15-0.28 CPU-s per GB),
+so a host with a fast NIC and many cores needs several; on a small host a
+second thread only takes a core from the loop and the workers.
+"""
+from __future__ import annotations
+
+import os
+
+import zmq
+
+MAX_IO_THREADS = 8  # the default's ceiling (``default_io_threads``): a 100 Gbit/s NIC at about 0.25 CPU-s per GB
+CORES_PER_IO_THREAD = 4  # the default gives libzmq one I/O thread per this many cores
+
+
+def default_io_threads(cores: int | None = None) -> int:
+    """libzmq I/O threads for a host with ``cores`` usable cores (this process's): ``P2PW_IO_THREADS`` if set (at
+    least 1), else ``cores // CORES_PER_IO_THREAD`` between 1 and ``MAX_IO_THREADS`` (1 up to 7 cores, 4 on 16)."""
+    env = os.environ.get("P2PW_IO_THREADS", "")
+    if env.strip().isdigit():
+        return max(1, int(env))
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1, min(MAX_IO_THREADS, cores // CORES_PER_IO_THREAD))
+
+
+def node_context(io_threads: int | None = None) -> zmq.Context:
+    """A fresh context with ``io_threads`` I/O threads (default ``default_io_threads()``)."""
+    return zmq.Context(io_threads=default_io_threads() if io_threads is None else max(1, io_threads))
