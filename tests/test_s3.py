@@ -287,6 +287,48 @@ def test_consecutive_chunks_are_read_with_one_ranged_get(procs, tmp_path, moto, 
     assert len(spans) <= chunks // 2, (len(spans), chunks)
 
 
+def test_a_run_yields_each_chunk_as_its_bytes_land(tmp_path, moto, bucket, model_dir, monkeypatch):
+    """A run's chunks are verified and handed on while its ranged GET still streams (the GET's bytes are counted
+    when it ends), each once, byte-identical to the files, a chunk that fails its hash reported as such."""
+    from p2pweights.sources.manifest import chunk_hasher
+    from p2pweights.sources.objstore import S3Checkpoint
+
+    for k, v in s3_env(moto.url).items():
+        monkeypatch.setenv(k, v)
+    ckpt = S3Checkpoint(f"s3://{bucket}/model", range_size=1 << 20)
+    m, _, _ = ckpt.build(chunk_size=128 << 10)
+    local, _, _ = build(model_dir, 128 << 10)
+    assert m.chunks == local.chunks
+    source = ckpt.source(m.files)
+    try:
+        def in_one_object(r):
+            lo, hi = m.chunk_span(r[0])[0], m.chunk_span(r[-1])[1]
+            return any(f["offset"] <= lo and hi <= f["offset"] + f["size"] for f in m.files)
+
+        run_ = next(r for r in source.runs(m, range(m.n_chunks)) if len(r) >= 4 and in_one_object(r))  # one GET
+        bufs = {i: bytearray(m.chunk_size) for i in run_}
+        counted, seen = [], []
+
+        def emit(i, ok):
+            counted.append(source.bytes_read)
+            seen.append((i, ok))
+
+        before = source.bytes_read
+        m.chunks[run_[2]] = b"\0" * len(m.chunks[run_[2]])  # as if the chunk had changed since the manifest
+        source.read_run(m, run_, lambda i: memoryview(bufs[i])[: m.chunk_span(i)[1] - m.chunk_span(i)[0]],
+                        chunk_hasher(m.hash), emit)
+        assert [i for i, _ in seen] == run_ and [ok for _, ok in seen] == [i != run_[2] for i in run_]
+        assert counted[0] == before  # the first chunk went on before the GET had ended
+        blob = bytearray(m.total_size)
+        from p2pweights.sources.source import BlobSource
+        BlobSource(model_dir, local.files).read_into(0, memoryview(blob))
+        for i in run_:
+            lo, hi = m.chunk_span(i)
+            assert bytes(bufs[i][: hi - lo]) == bytes(blob[lo:hi])
+    finally:
+        source.close()
+
+
 def test_object_changed_before_serving_is_refused(tmp_path, moto, bucket):
     env = s3_env(moto.url)
     assert run("manifest", f"s3://{bucket}/model", "-o", tmp_path / "m.json", env=env).returncode == 0

@@ -23,10 +23,11 @@ config files, instance roles).
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -233,10 +234,12 @@ class S3:
             raise ObjectStoreError(f"{url}: no such object, and no objects under it")
         return sorted(found)
 
-    def read(self, bucket: str, key: str, etag: str | None, offset: int, view: memoryview) -> None:
+    def read(self, bucket: str, key: str, etag: str | None, offset: int, view: memoryview,
+             landed: Callable[[int], None] | None = None) -> None:
         """Fill ``view`` with bytes [offset, offset + len(view)) of object ``key`` (which must still have
         ``etag``), with one ranged GET, resumed from where it stopped when throttled or dropped (within
-        ``Retry.tries`` and ``Retry.deadline``: RetriesSpent names the object and the range)."""
+        ``Retry.tries`` and ``Retry.deadline``: RetriesSpent names the object and the range).  ``landed(n)``
+        is told each time the first ``n`` bytes of ``view`` are in place."""
         done, failures, tries, want = 0, 0, 0, len(view)
         what, span = f"{SCHEME}{bucket}/{key}", f" bytes {offset}-{offset + want - 1}"
         extra = {"IfMatch": _quoted(etag)} if etag else {}
@@ -256,6 +259,8 @@ class S3:
                         if not n:
                             raise self.errors.IncompleteReadError(actual_bytes=done, expected_bytes=want)
                         done, got, failures = done + n, got + n, 0
+                        if landed is not None:
+                            landed(done)
                         if done < want and self.retry.spent(0, started):  # a trickle never fails a read
                             raise RetriesSpent(f"{what}{span}: gave up after {self.retry.deadline:g} s with {done} of "
                                                f"{want} bytes read")
@@ -290,16 +295,20 @@ class S3Source:
     def bytes_read(self) -> int:
         return self.s3.bytes_read
 
-    def _fill(self, lo: int, view: memoryview) -> None:
-        """Read blob bytes [lo, lo + len(view)) in this thread, one GET per object and ``range_size``."""
+    def _fill(self, lo: int, view: memoryview, landed: Callable[[int], None] | None = None) -> None:
+        """Read blob bytes [lo, lo + len(view)) in this thread, one GET per object and ``range_size``;
+        ``landed(x)``, if given, is told each time blob bytes [lo, x) are in place."""
         hi, pos = lo + len(view), lo
         for f, offset, a, b in file_segments(self.files, lo, hi):
             view[pos - lo: a - lo] = bytes(a - pos)  # padding before this file
             for s in range(a, b, self.range_size):
                 e = min(b, s + self.range_size)
-                self.s3.read(self.bucket, self.keys[f["name"]], f.get("etag"), offset + s - a, view[s - lo: e - lo])
+                self.s3.read(self.bucket, self.keys[f["name"]], f.get("etag"), offset + s - a, view[s - lo: e - lo],
+                             None if landed is None else (lambda n, s=s: landed(s + n)))
             pos = b
         view[pos - lo:] = bytes(hi - pos)
+        if landed is not None:
+            landed(hi)
 
     def read_into(self, lo: int, view: memoryview) -> None:
         """Fill ``view`` with blob bytes [lo, lo + len(view)), ``concurrency`` ranged GETs at a time."""
@@ -326,25 +335,35 @@ class S3Source:
                 runs.append([i])
         return runs
 
-    def read_run(self, manifest, run: list[int], view_of, digest) -> list[tuple[int, bool]]:
-        """Read consecutive chunks ``run`` with one ranged GET per object into ``view_of(index)``; whether each
-        chunk's hash is the manifest's.  A run that cannot be read is read again chunk by chunk, so only the
-        chunks of the object at fault fail."""
-        if len(run) > 1:
-            lo, hi = manifest.chunk_span(run[0])[0], manifest.chunk_span(run[-1])[1]
-            got = memoryview(bytearray(hi - lo))
-            try:
-                self._fill(lo, got)
-            except Exception:
-                return [(i, self._checked(manifest, i, view_of(i), digest)) for i in run]
-            out = []
-            for i in run:
+    def read_run(self, manifest, run: list[int], view_of, digest, emit) -> None:
+        """Read consecutive chunks ``run`` with one ranged GET per object, and ``emit(index, verified)`` each
+        chunk as soon as its bytes have landed (copied into ``view_of(index)`` and hashed against the
+        manifest), not when the GET ends: the swarm has a run's first chunk while the rest still streams.  A
+        run that cannot be read is read again chunk by chunk from the first chunk not yet emitted, so only
+        the chunks of the object at fault fail.  Every chunk of ``run`` is emitted once."""
+        if len(run) == 1:
+            emit(run[0], self._checked(manifest, run[0], view_of(run[0]), digest))
+            return
+        lo, hi = manifest.chunk_span(run[0])[0], manifest.chunk_span(run[-1])[1]
+        got = memoryview(bytearray(hi - lo))
+        todo = list(run)
+
+        def landed(upto: int) -> None:
+            while todo and manifest.chunk_span(todo[0])[1] <= upto:
+                i = todo[0]
                 a, b = manifest.chunk_span(i)
                 view = view_of(i)
                 view[:] = got[a - lo: b - lo]
-                out.append((i, digest(view) == manifest.chunks[i]))
-            return out
-        return [(run[0], self._checked(manifest, run[0], view_of(run[0]), digest))]
+                ok = digest(view) == manifest.chunks[i]
+                todo.pop(0)  # only now: a chunk that raised on its way is read again below
+                emit(i, ok)
+
+        try:
+            self._fill(lo, got, landed)
+        except Exception:
+            for i in list(todo):
+                todo.pop(0)
+                emit(i, self._checked(manifest, i, view_of(i), digest))
 
     def _checked(self, manifest, index: int, view: memoryview, digest) -> bool:
         """``read_chunk``, a failure reported (an object that changed once) and answered False."""
@@ -360,12 +379,21 @@ class S3Source:
 
     def read_chunks(self, manifest, indices, view_of, digest):
         """Yield ``(index, verified)`` for each chunk in ``indices`` as it lands in ``view_of(index)``: runs of
-        consecutive chunks (``runs``) read in parallel, one ranged GET each.
+        consecutive chunks (``runs``) read in parallel, one ranged GET each, each chunk yielded as soon as its
+        bytes are in (``read_run``).
 
         A chunk of an object that changed (ETag) or cannot be read is reported and yields False."""
-        jobs = [self.pool.submit(self.read_run, manifest, run, view_of, digest) for run in self.runs(manifest, indices)]
-        for job in as_completed(jobs):
-            yield from job.result()
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        runs = self.runs(manifest, indices)
+        jobs = [self.pool.submit(self.read_run, manifest, run, view_of, digest, lambda i, ok: out.put((i, ok, None)))
+                for run in runs]
+        for job in jobs:  # a bug in a run's reading ends the wait instead of hanging it
+            job.add_done_callback(lambda j: j.exception() is not None and out.put((None, False, j.exception())))
+        for _ in range(sum(map(len, runs))):
+            i, ok, error = out.get()
+            if error is not None:
+                raise error
+            yield i, ok
 
     def stream(self, total: int, chunk_size: int, into=None):
         """Yield ``(lo, view)`` for consecutive whole-chunk pieces of blob [0, total), in order, read with
