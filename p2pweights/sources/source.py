@@ -212,10 +212,6 @@ class ReadAhead:
         for t in self.threads:
             t.start()
 
-    @property
-    def thread(self) -> threading.Thread:
-        return self.threads[0]
-
     def view_of(self, index: int) -> memoryview:
         """Where chunk ``index`` is read: the store's buffer, or this reader's scratch buffer (a chunk at a time)."""
         if not self.mapped:
