@@ -143,7 +143,9 @@ class ChunkRing:
         return self.memory[slot * self.stride: slot * self.stride + size]
 
     def report(self) -> dict:
-        """What the ring did, for ``--report``."""
+        """What the ring did, for ``--report``: ``slots`` now (it only grows), ``most_slots`` it may grow to
+        (its budget), chunks ``held``, takes that found every slot ``full``, chunks sent from slots or from the
+        files, chunks ``read_back`` into slots."""
         return {"slots": self.slots, "most_slots": self.most + self.busy, "held": self.held, "full": self.full,
                 "sent_from_slots": self.hits, "sent_from_files": self.misses, "read_back": self.read_back}
 
