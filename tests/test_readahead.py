@@ -33,7 +33,7 @@ class Counting(BlobSource):
         super().__init__(*a, **kw)
         self.calls, self.read, self.corrupt, self.lock = [], [], set(corrupt), threading.Lock()
 
-    def read_chunks(self, manifest, indices, view_of, digest):
+    def read_chunks(self, manifest, indices, view_of, digest, span_of=None):
         with self.lock:
             self.calls.append(list(indices))
             self.read.extend(indices)

@@ -325,6 +325,16 @@ def test_a_run_yields_each_chunk_as_its_bytes_land(tmp_path, moto, bucket, model
         for i in run_:
             lo, hi = m.chunk_span(i)
             assert bytes(bufs[i][: hi - lo]) == bytes(blob[lo:hi])
+
+        # read straight into one buffer holding the whole blob (a seeder's store): the same, with no copy
+        whole, seen[:], counted[:] = memoryview(bytearray(m.total_size)), [], []
+        before = source.bytes_read
+        source.read_run(m, run_, lambda i: whole[m.chunk_span(i)[0]: m.chunk_span(i)[1]], chunk_hasher(m.hash),
+                        emit, span_of=lambda lo, hi: whole[lo:hi])
+        assert [i for i, _ in seen] == run_ and [ok for _, ok in seen] == [i != run_[2] for i in run_]
+        assert counted[0] == before
+        lo, hi = m.chunk_span(run_[0])[0], m.chunk_span(run_[-1])[1]
+        assert bytes(whole[lo:hi]) == bytes(blob[lo:hi])
     finally:
         source.close()
 

@@ -335,25 +335,30 @@ class S3Source:
                 runs.append([i])
         return runs
 
-    def read_run(self, manifest, run: list[int], view_of, digest, emit) -> None:
+    def read_run(self, manifest, run: list[int], view_of, digest, emit, span_of=None) -> None:
         """Read consecutive chunks ``run`` with one ranged GET per object, and ``emit(index, verified)`` each
-        chunk as soon as its bytes have landed (copied into ``view_of(index)`` and hashed against the
-        manifest), not when the GET ends: the swarm has a run's first chunk while the rest still streams.  A
-        run that cannot be read is read again chunk by chunk from the first chunk not yet emitted, so only
-        the chunks of the object at fault fail.  Every chunk of ``run`` is emitted once."""
+        chunk as soon as its bytes have landed (in ``view_of(index)``, hashed against the manifest), not when
+        the GET ends: the swarm has a run's first chunk while the rest still streams.  ``span_of(lo, hi)``,
+        where the chunks' views are one buffer's bytes [lo, hi), is read into directly; else the run lands in
+        a buffer of its own and each chunk is copied out.  A run that cannot be read is read again chunk by
+        chunk from the first chunk not yet emitted, so only the chunks of the object at fault fail.  Every
+        chunk of ``run`` is emitted once."""
         if len(run) == 1:
             emit(run[0], self._checked(manifest, run[0], view_of(run[0]), digest))
             return
         lo, hi = manifest.chunk_span(run[0])[0], manifest.chunk_span(run[-1])[1]
-        got = memoryview(bytearray(hi - lo))
+        direct = span_of is not None
+        got = span_of(lo, hi) if direct else memoryview(bytearray(hi - lo))
         todo = list(run)
 
         def landed(upto: int) -> None:
             while todo and manifest.chunk_span(todo[0])[1] <= upto:
                 i = todo[0]
                 a, b = manifest.chunk_span(i)
-                view = view_of(i)
-                view[:] = got[a - lo: b - lo]
+                view = got[a - lo: b - lo]
+                if not direct:
+                    view = view_of(i)
+                    view[:] = got[a - lo: b - lo]
                 ok = digest(view) == manifest.chunks[i]
                 todo.pop(0)  # only now: a chunk that raised on its way is read again below
                 emit(i, ok)
@@ -377,16 +382,16 @@ class S3Source:
             log.error("chunk %d: %s", index, e)
         return False
 
-    def read_chunks(self, manifest, indices, view_of, digest):
+    def read_chunks(self, manifest, indices, view_of, digest, span_of=None):
         """Yield ``(index, verified)`` for each chunk in ``indices`` as it lands in ``view_of(index)``: runs of
         consecutive chunks (``runs``) read in parallel, one ranged GET each, each chunk yielded as soon as its
-        bytes are in (``read_run``).
+        bytes are in (``read_run``; ``span_of``: see there).
 
         A chunk of an object that changed (ETag) or cannot be read is reported and yields False."""
         out: queue.SimpleQueue = queue.SimpleQueue()
         runs = self.runs(manifest, indices)
-        jobs = [self.pool.submit(self.read_run, manifest, run, view_of, digest, lambda i, ok: out.put((i, ok, None)))
-                for run in runs]
+        jobs = [self.pool.submit(self.read_run, manifest, run, view_of, digest, lambda i, ok: out.put((i, ok, None)),
+                                 span_of) for run in runs]
         for job in jobs:  # a bug in a run's reading ends the wait instead of hanging it
             job.add_done_callback(lambda j: j.exception() is not None and out.put((None, False, j.exception())))
         for _ in range(sum(map(len, runs))):

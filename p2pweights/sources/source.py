@@ -125,8 +125,9 @@ class BlobSource:
         self.read_into(lo, view)
         return digest(view) == manifest.chunks[index]
 
-    def read_chunks(self, manifest, indices, view_of, digest):
-        """Yield ``(index, verified)`` for each chunk in ``indices``, read into ``view_of(index)`` one by one."""
+    def read_chunks(self, manifest, indices, view_of, digest, span_of=None):
+        """Yield ``(index, verified)`` for each chunk in ``indices``, read into ``view_of(index)`` one by one
+        (``span_of``, a contiguous view of several chunks, is for sources that read runs: unused here)."""
         for index in indices:
             try:
                 ok = self.read_chunk(manifest, index, view_of(index), digest)
@@ -222,6 +223,12 @@ class ReadAhead:
         lo, hi = self.store.manifest.chunk_span(index)
         return scratch[: hi - lo]
 
+    @property
+    def span_of(self):
+        """Where a run of consecutive chunks is read at once: the store's buffer, bytes [lo, hi) (None where
+        the store maps the source files: each chunk goes to the scratch buffer)."""
+        return None if self.mapped else (lambda lo, hi: self.store.view[lo:hi])
+
     def want(self, index: int) -> None:
         self.requests.put(index)
 
@@ -257,7 +264,7 @@ class ReadAhead:
                     pass
                 stop = asked[-1] is None
                 for i, ok in self.source.read_chunks(self.store.manifest, self.batch(asked[:-1] if stop else asked),
-                                                     self.view_of, self.digest):
+                                                     self.view_of, self.digest, span_of=self.span_of):
                     self.on_ready(i, ok)
                 if stop:
                     return
