@@ -44,18 +44,22 @@ class Counting(BlobSource):
             yield i, ok
 
 
-def run(source, manifest, wants, gate=None):
+def run(source, manifest, wants, expect=None):
+    """Ask for ``wants``, wait until ``expect`` chunks (every chunk) are reported, stop; (store, reports, reader)."""
     store = Store(manifest)
-    ready, done = {}, threading.Event()
-    lock = threading.Lock()
+    ready, done, cond = {}, threading.Event(), threading.Condition()
+    expect = manifest.n_chunks if expect is None else expect
 
     def on_ready(i, ok):
-        with lock:
+        with cond:
             ready.setdefault(i, []).append(ok)
+            cond.notify_all()
 
     reader = ReadAhead(source, store, on_ready, on_exit=done.set)
     for i in wants:
         reader.want(i)
+    with cond:
+        assert cond.wait_for(lambda: sum(map(len, ready.values())) >= expect, 30)
     reader.stop()
     assert done.wait(30)
     for t in reader.threads:
@@ -88,6 +92,19 @@ def test_requests_queued_together_are_one_batch(tmp_path):
     assert reader.batch([40]) == []
 
 
+def test_stop_leaves_what_is_still_asked_for(tmp_path):
+    root, m, _ = checkpoint(tmp_path)
+    source = Counting(root, m.files)
+    store = Store(m)
+    done = threading.Event()
+    reader = ReadAhead(source, store, lambda i, ok: None, on_exit=done.set)
+    reader.stop()
+    for i in range(m.n_chunks):
+        reader.want(i)  # after the stop: never read
+    assert done.wait(30)
+    assert source.read == [] and store.count == 0
+
+
 def test_a_source_read_in_order_keeps_one_reader(tmp_path):
     root, m, _ = checkpoint(tmp_path)
     source = BlobSource(root, m.files)
@@ -99,6 +116,6 @@ def test_a_source_read_in_order_keeps_one_reader(tmp_path):
 def test_a_chunk_that_does_not_match_is_reported_bad(tmp_path):
     root, m, _ = checkpoint(tmp_path)
     source = Counting(root, m.files, corrupt={5})
-    _, ready, _ = run(source, m, [0, 4])
+    _, ready, _ = run(source, m, [0, 4], expect=8)  # chunks 0-7: each request and the 3 after it
     assert ready[5] == [False]
     assert all(v == [True] for i, v in ready.items() if i != 5)

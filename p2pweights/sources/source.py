@@ -209,6 +209,7 @@ class ReadAhead:
         self.local = threading.local()  # each reader's scratch buffer, where ``mapped``
         readers = self.READERS if getattr(source, "concurrency", 1) > 1 else 1
         self.running = readers
+        self.stopping = False
         self.threads = [threading.Thread(target=self._run, name="p2pw-readahead", daemon=True) for _ in range(readers)]
         for t in self.threads:
             t.start()
@@ -233,6 +234,9 @@ class ReadAhead:
         self.requests.put(index)
 
     def stop(self) -> None:
+        """Stop the readers: requests not yet taken are dropped, a batch being read is left after its next
+        chunk (the node is closing)."""
+        self.stopping = True
         for _ in self.threads:
             self.requests.put(None)
 
@@ -262,12 +266,13 @@ class ReadAhead:
                         asked.append(self.requests.get_nowait())
                 except queue.Empty:
                     pass
-                stop = asked[-1] is None
-                for i, ok in self.source.read_chunks(self.store.manifest, self.batch(asked[:-1] if stop else asked),
-                                                     self.view_of, self.digest, span_of=self.span_of):
-                    self.on_ready(i, ok)
-                if stop:
+                if asked[-1] is None:  # stopped: what is still asked for is left
                     return
+                for i, ok in self.source.read_chunks(self.store.manifest, self.batch(asked), self.view_of,
+                                                     self.digest, span_of=self.span_of):
+                    self.on_ready(i, ok)
+                    if self.stopping:
+                        return
         finally:
             with self.lock:
                 self.running -= 1
