@@ -355,9 +355,8 @@ class S3Source:
             while todo and manifest.chunk_span(todo[0])[1] <= upto:
                 i = todo[0]
                 a, b = manifest.chunk_span(i)
-                view = got[a - lo: b - lo]
+                view = got[a - lo: b - lo] if direct else view_of(i)
                 if not direct:
-                    view = view_of(i)
                     view[:] = got[a - lo: b - lo]
                 ok = digest(view) == manifest.chunks[i]
                 todo.pop(0)  # only now: a chunk that raised on its way is read again below
