@@ -39,7 +39,7 @@ class OriginReader:
         per_run = getattr(source, "range_size", 0) // manifest.chunk_size  # chunks one ranged GET reads
         self.group = RUNS * per_run if per_run > 1 else max(1, getattr(source, "concurrency", GROUP))
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.ready: dict[int, bytearray] = {}  # read and verified, not yet taken by the loop
+        self.ready: dict[int, memoryview] = {}  # read and verified, not yet taken by the loop
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="p2pw-origin", daemon=True)
         self.thread.start()
@@ -74,11 +74,24 @@ class OriginReader:
                 self.on_exit()
 
     def _read(self, chunks: list[int]) -> None:
-        bufs = {}
-        for i in chunks:
-            lo, hi = self.manifest.chunk_span(i)
-            bufs[i] = bytearray(hi - lo)
-        for i, ok in self.source.read_chunks(self.manifest, chunks, lambda i: memoryview(bufs[i]), self.digest):
+        spans = {i: self.manifest.chunk_span(i) for i in chunks}
+        bufs: dict[int, memoryview] = {}  # chunk -> where it is read (its own buffer, or a slice of its run's)
+
+        def span_of(lo: int, hi: int) -> memoryview:
+            """A run of consecutive chunks lands in one buffer, each chunk's bytes a slice of it (no copy out)."""
+            run = memoryview(bytearray(hi - lo))
+            for i, (a, b) in spans.items():
+                if lo <= a and b <= hi:
+                    bufs[i] = run[a - lo: b - lo]
+            return run
+
+        def view_of(i: int) -> memoryview:
+            if i not in bufs:
+                a, b = spans[i]
+                bufs[i] = memoryview(bytearray(b - a))
+            return bufs[i]
+
+        for i, ok in self.source.read_chunks(self.manifest, chunks, view_of, self.digest, span_of=span_of):
             if ok:
                 self.ready[i] = bufs[i]
             self.on_ready(i, ok)
