@@ -391,8 +391,12 @@ class S3Source:
         runs = self.runs(manifest, indices)
         jobs = [self.pool.submit(self.read_run, manifest, run, view_of, digest, lambda i, ok: out.put((i, ok, None)),
                                  span_of) for run in runs]
-        for job in jobs:  # a bug in a run's reading ends the wait instead of hanging it
-            job.add_done_callback(lambda j: j.exception() is not None and out.put((None, False, j.exception())))
+        def failed(job) -> None:  # a bug in a run's reading ends the wait instead of hanging it
+            if job.exception() is not None:
+                out.put((None, False, job.exception()))
+
+        for job in jobs:
+            job.add_done_callback(failed)
         for _ in range(sum(map(len, runs))):
             i, ok, error = out.get()
             if error is not None:
