@@ -3,7 +3,7 @@
 
     python bench/line_rate.py [--sizes 1GiB,3GiB] [--where disk,tmpfs] [--modes hop,relay] [--repeat 3]
                               [--cores K] [--chunk-size 4MiB] [--disk-dir /var/tmp] [--json FILE]
-                              [--join-args '--io-threads 2']
+                              [--join-args '--io-threads 2 --lanes 2'] [--seed-args '--io-threads 2']
 
 Two shapes, each run by p2pw and by raw programs in the same invocation,
 alternating so both see the same machine:
@@ -279,14 +279,15 @@ class Run:
                 p.wait()
 
 
-def p2pw_run(mode: str, src: str, dests: list[str], chunk: int, pin, sampler, tmp: str, extra=()) -> dict:
+def p2pw_run(mode: str, src: str, dests: list[str], chunk: int, pin, sampler, tmp: str, extra=(),
+             seed_extra=()) -> dict:
     run = Run(pin, sampler)
     py = [sys.executable, "-m", "p2pweights"]
     joins = len(dests)
     ready = os.path.join(tmp, "ready")
     try:
         seed = run.start(py + ["seed", src, "--host", "127.0.0.1", "--port", "0", "--chunk-size", str(chunk),
-                               "--ready", ready, "--exit-after", str(joins)],
+                               "--ready", ready, "--exit-after", str(joins), *seed_extra],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         while not os.path.exists(ready):
             if seed.poll() is not None:
@@ -311,7 +312,8 @@ def p2pw_run(mode: str, src: str, dests: list[str], chunk: int, pin, sampler, tm
     for k, (p, doc) in enumerate(zip(procs, docs)):
         procs_cpu[f"join{k}"] = doc.get("threads") or roles(sampler.seen[p.pid], p.pid)
     return {"seconds": secs, "cpu": procs_cpu, "ring": [d.get("ring") for d in docs],
-            "loop_us_per_chunk": [d.get("loop_us_per_chunk") for d in docs]}
+            "loop_us_per_chunk": [d.get("loop_us_per_chunk") for d in docs],
+            "zmq_io_each": [d.get("zmq_io_each") for d in docs], "lane_chunks": [d.get("lane_chunks") for d in docs]}
 
 
 def raw_run(mode: str, src: str, dests: list[str], chunk: int, pin, sampler) -> dict:
@@ -436,7 +438,8 @@ def main() -> int:
     ap.add_argument("--disk-dir", default="/var/tmp", help="a directory on disk (not tmpfs) for the disk runs")
     ap.add_argument("--no-check", action="store_true", help="skip comparing each copy with the source")
     ap.add_argument("--json", help="write every run's figures here")
-    ap.add_argument("--join-args", default="", help="more flags for every p2pw join, e.g. '--io-threads 2'")
+    ap.add_argument("--join-args", default="", help="more flags for every p2pw join, e.g. '--io-threads 2 --lanes 2'")
+    ap.add_argument("--seed-args", default="", help="more flags for the p2pw seeder, e.g. '--io-threads 2'")
     a = ap.parse_args()
     pin = ["taskset", "-c", f"0-{a.cores - 1}"] if a.cores else []
     sampler = Threads()
@@ -467,7 +470,7 @@ def main() -> int:
                                     case[who].append(raw_run(mode, src, dests, a.chunk_size, pin, sampler))
                                 else:
                                     case[who].append(p2pw_run(mode, src, dests, a.chunk_size, pin, sampler, tmp,
-                                                             a.join_args.split()))
+                                                             a.join_args.split(), a.seed_args.split()))
                                 for d in dests:
                                     if not a.no_check:
                                         check_copy(src, d)

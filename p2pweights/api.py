@@ -332,9 +332,12 @@ class Download:
         """CPU seconds of this process's threads by role so far: ``loop`` (the node's event loop), ``zmq_io``
         (libzmq's I/O threads), ``workers`` (byte-path threads off the loop), ``finisher`` (fsyncs and renames),
         ``main`` and ``other`` (threads that have ended among them); ``loop_us_per_chunk``: the loop's CPU
-        microseconds per chunk received; ``workers``: the pool's threads, ``io_threads``: libzmq's, ``checked_on_loop``: chunks the loop
-        verified itself (no workers), ``waited_for_workers``: times it waited for one (every one busy)."""
+        microseconds per chunk received; ``workers``: the pool's threads, ``io_threads``: libzmq's, ``zmq_io_each``: CPU
+        seconds of each of them, ``lanes``: connections pulled over per partner, ``lane_chunks``: chunks received
+        on each (the links first), ``checked_on_loop``: chunks the loop verified itself (no workers),
+        ``waited_for_workers``: times it waited for one (every one busy)."""
         roles = dict.fromkeys(("loop", "zmq_io", "workers", "finisher", "main", "other"), 0.0)
+        io_each = []
         usage = resource.getrusage(resource.RUSAGE_SELF)
         roles["other"] = usage.ru_utime + usage.ru_stime  # less each live thread's below: what ended threads used
         loop = self.node.thread.native_id if self.node.thread is not None else None
@@ -357,11 +360,15 @@ class Download:
                     "finisher" if comm.startswith("p2pw-finish") else "other")
             roles[role] += cpu
             roles["other"] -= cpu
+            if role == "zmq_io":
+                io_each.append(round(cpu, 3))
         roles["other"] = max(roles["other"], 0.0)  # (clock ticks against microseconds)
         got = self.node.stats.chunks_received
         return {"threads": {k: round(v, 3) for k, v in roles.items()},
                 "loop_us_per_chunk": round(roles["loop"] * 1e6 / got, 1) if got else None,
                 "workers": self.node.intake.pool.size, "io_threads": self.node.ctx.get(zmq.IO_THREADS),
+                "zmq_io_each": io_each, "lanes": self.node.pull_lanes,
+                "lane_chunks": self.node.stats.lane_chunks[:max(self.node.pull_lanes, 1)],
                 "checked_on_loop": self.node.intake.on_loop,
                 "waited_for_workers": self.node.intake.pool.waits}
 
@@ -652,9 +659,10 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
          advertise: str | None = None, model_id: str | None = None, window: int = DEFAULT_WINDOW,
          connect_timeout: float = 30.0, peer_id: str | None = None, device: str | None = None,
          key: keys.FleetKey | None = None, parent_timeout: float = PARENT_TIMEOUT, workers: int | None = None,
-         io_threads: int | None = None, give_up_after: float = GIVE_UP_AFTER, verify: str = "marker", memory_budget: int | None = None,
-         cache: ModelCache | None = None, hf_cache: str | None = None, retry_now: bool = False,
-         trace: bool = False, origin=None, agent: str | None = None, **limits) -> Download | Attached:
+         io_threads: int | None = None, lanes: int | None = None, give_up_after: float = GIVE_UP_AFTER,
+         verify: str = "marker", memory_budget: int | None = None, cache: ModelCache | None = None,
+         hf_cache: str | None = None, retry_now: bool = False, trace: bool = False, origin=None,
+         agent: str | None = None, **limits) -> Download | Attached:
     """Attach to the broadcast that ``parent`` (the seeder or any peer, 'HOST[:PORT]') belongs to.
 
     Returns at once with a ``Download`` whose chunks fill in the background.  ``out``: write the checkpoint's files
@@ -671,8 +679,9 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     failures (``retry_now`` ignores them).  ``hf_cache`` (a hub cache directory): the copy in the Hugging Face
     layout there (``hfcache``).  ``trace``: keep when and from whom each chunk verified (``Download.arrivals``).
     ``limits``: ``swarm.admission``'s.  ``origin`` (``origin.Origin``): ``parent`` is a standalone tracker; with its
-    ``source``, this host reads the shares of the origin it is handed.  ``workers``, ``io_threads``: threads that
-    verify and write received chunks beside the loop, libzmq's that carry bytes (``default_workers``, ``wire.context``).
+    ``source``, this host reads the shares of the origin it is handed.  ``workers``, ``io_threads``, ``lanes``: threads
+    that verify and write received chunks beside the loop, libzmq's that carry bytes, connections to pull over from
+    each partner (``default_workers``, ``wire.context``, ``swarm.lanes``).
 
     One download per folder on a host: while another local process writes ``out`` (``localcopy``), this returns an
     ``Attached`` that reads that copy's files as they are verified, fetching nothing.
@@ -708,7 +717,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
         held and held.release()
         raise
     cache, model_cache = disk, cache
-    node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window, workers=workers,
+    node = Node(ctx, router, manifest, store, peer_id=peer_id, window=window, workers=workers, lanes=lanes,
                 key=key, parent_timeout=parent_timeout, hello=hello, give_up_after=give_up_after, **limits)
     node.stats.arrivals = [] if trace else None
     try:
@@ -723,9 +732,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     _name_thread(node.thread.native_id, "p2pw-loop")
     cache and cache.thread and _name_thread(cache.thread.native_id, "p2pw-finish")
     dl = Download(node, store, cache, welcome, started, hello["listen"])
-    dl.loader = loader
-    dl.gate = gate
-    dl.path, dl.lock, dl.model_cache = target, lock, model_cache
+    dl.loader, dl.gate, dl.path, dl.lock, dl.model_cache = loader, gate, target, lock, model_cache
     dl.finishing = [lambda: _finished(dl, layout)]
     return dl
 

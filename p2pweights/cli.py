@@ -607,10 +607,11 @@ def limit_flags(p) -> None:
 
 
 def limits(args) -> dict:
-    """``limit_flags``' values, ``--io-threads``, and a join's ``--workers``."""
+    """``limit_flags``' values, ``--io-threads``, and a join's ``--workers`` and ``--lanes``."""
     return {"child_timeout": args.child_timeout, "max_per_host": args.max_conns_per_host,
             **({"io_threads": args.io_threads} if "io_threads" in args else {}),
-            **({"workers": args.workers} if "workers" in args else {})}
+            **({"workers": args.workers} if "workers" in args else {}),
+            **({"lanes": args.lanes} if "lanes" in args else {})}
 
 
 def io_threads_flag(p) -> None:
@@ -710,6 +711,9 @@ def join_flags(j) -> None:
                    help="threads that verify and write received chunks beside the event loop (default: "
                         "P2PW_WORKERS, else min(4, cores - 1), none on 1-2 cores; 0: the loop does it)")
     io_threads_flag(j)
+    j.add_argument("--lanes", type=positive, metavar="N",
+                   help="connections to pull over from each partner, so its bytes ride several I/O threads (default: "
+                        "P2PW_LANES, else one per --io-threads; a partner takes at most 8)")
     j.add_argument("--connect-timeout", type=seconds, default=30.0, help="seconds to keep trying the parent")
     j.add_argument("--parent-timeout", type=seconds, default=5.0,
                    help="seconds of silence after which a partner is given up (a planned one for another)")

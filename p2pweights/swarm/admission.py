@@ -48,14 +48,20 @@ class Admission:
         return [i for i in children if now - seen.get(i, now) > self.child_timeout]
 
 
-def attach_refusal(f: dict, model_id: str, secret: str | None, children: dict, ident: bytes,
-                   max_children: int) -> str | None:
-    """Why an ATTACH with fields ``f`` is refused at a node serving ``model_id`` that holds ``secret``
-    (None: no tracker placed it yet, and it admits anyone), or None to admit it."""
+def placed_refusal(f: dict, model_id: str, secret: str | None) -> str | None:
+    """Why an ATTACH or LANE with fields ``f`` is refused at a node serving ``model_id`` that holds ``secret``
+    (None: no tracker placed it yet, and it admits anyone): the wrong model, or no ticket for its rank; else None."""
     if f["model_id"] != model_id:
         return "model id mismatch"
     if secret is not None and not ticket_ok(secret, f["rank"], f.get("ticket")):
         return f"{NOT_PLACED}: no valid ticket for rank {f['rank']} (the tracker gives one with each plan entry)"
-    if ident not in children and len(children) >= max_children:
-        return f"parent serves its maximum of {max_children} children"
     return None
+
+
+def attach_refusal(f: dict, model_id: str, secret: str | None, children: dict, ident: bytes,
+                   max_children: int) -> str | None:
+    """Why an ATTACH is refused (``placed_refusal``, or ``max_children`` children already), or None to admit it."""
+    why = placed_refusal(f, model_id, secret)
+    if why is None and ident not in children and len(children) >= max_children:
+        return f"parent serves its maximum of {max_children} children"
+    return why

@@ -1,7 +1,8 @@
 """Forward: chunks sent to partners; those no ring slot holds any more read back by the workers first.
 
 ``send`` hands a chunk's bytes to ZeroMQ without a copy (a send from a ring
-slot pins it until ZeroMQ lets go).  A request for a verified chunk whose
+slot pins it until ZeroMQ lets go), on the partner's link or one of its
+lanes (``lanes``), in turn.  A request for a verified chunk whose
 slot was reused goes to the workers as a ``workers.Read`` into a free slot,
 taken now and kept taken until the loop, told on its inbox that the read is
 done, sends from it: nothing else lands in it meanwhile.  A send that would
@@ -48,7 +49,7 @@ class Forwarding:
         n = self.node
         if n.faults is not None and (data := n.faults.outgoing(index, data)) is None:
             return True  # dropped by an injected fault
-        if sent := n._send(ident, protocol.chunk_header(index), data, copy=False, track=slot is not None):
+        if sent := self._out(ident, protocol.chunk_header(index), data, track=slot is not None):
             if slot is not None:
                 n.store.ring.pin(slot, sent)
             n.stats.chunks_sent += 1
@@ -56,6 +57,19 @@ class Forwarding:
             n.serve.sent(index)
             return True
         return ident not in n.children  # gone: nothing to retry
+
+    def _out(self, ident: bytes, header: bytes, data, track: bool):
+        """Hand a chunk (``header``, ``data`` without a copy) to ZeroMQ for child ``ident``, on its link or one of
+        its lanes (``lanes``): the next in turn first, one whose queue is full passed; as ``Node._send``, False
+        where every one is full."""
+        n = self.node
+        for path in n.lanes.order(ident):
+            if sent := n._send(path, header, data, copy=False, track=track):
+                n.lanes.took(ident, path)
+                return sent
+            if ident not in n.children:  # its link is gone (and with it its lanes)
+                break
+        return False
 
     def read_ahead(self, ident: bytes, index: int) -> bool:
         """Hand chunk ``index`` for ``ident`` to the workers if its slot was reused; False where it is to be

@@ -2,9 +2,10 @@
 
 ``Handlers.dispatch`` drains one ready socket of the node's loop: the ROUTER
 (partners pulling from us, joiners, the tracker's members), a DEALER to a
-partner we pull from, the tracker link, or the inbox of other threads.  Each
-message is decoded by ``protocol`` and checked against its connection's state
-table; a bad one is counted and logged, and the node keeps serving everyone else.
+partner we pull from or one of its lanes (``pulled``), the tracker link, or
+the inbox of other threads.  Each message is decoded by ``protocol`` and
+checked against its connection's state table; a bad one is counted and
+logged, and the node keeps serving everyone else.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import zmq
 
 from ..wire import protocol
 from ..wire.protocol import MAX_NAME, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
-from .admission import NOT_PLACED, attach_refusal
+from .admission import NOT_PLACED, attach_refusal, placed_refusal
 from .intake import MAX_BAD_FROM_PARENT  # noqa: F401  (part of the node's limits)
 from .originread import landed
+from .pulled import PartnerHandlers
 
 log = logging.getLogger("p2pw")
 
@@ -35,6 +37,7 @@ class Handlers:
 
     def __init__(self, node):
         self.node = node
+        self.pulled = PartnerHandlers(node)  # what partners we pull from send us
 
     def dispatch(self, sock) -> None:
         n = self.node
@@ -45,13 +48,13 @@ class Handlers:
         elif sock is n.inbox:
             handler = self.on_inbox
         else:
-            link = next((lk for lk in n.partners.links.values() if lk.socket is sock), None)
-            if link is None:
+            owned = n.partners.owner.get(sock)  # (link, lane): a link's own connection, or one of its lanes
+            if owned is None:
                 watched = next((lk for lk in n.partners.links.values() if lk.monitor is sock), None)
                 if watched is not None:  # a partner's connection event
                     n.partners.dropped(watched)
                 return  # else: closed earlier in this poll
-            handler = lambda s, link=link: self.on_link(link)  # noqa: E731
+            handler = lambda s, owned=owned: self.pulled.on_link(*owned)  # noqa: E731
         deadline = n.clock() + DRAIN_SECONDS
         for _ in range(DRAIN):
             if sock.closed or not sock.getsockopt(EVENTS) & POLLIN:  # a handler may close it (partner given up)
@@ -88,90 +91,12 @@ class Handlers:
             n.leave_when_done = n.leave_when_done or verb == b"leave"
             n.next_timers = 0.0
 
-    # ----- partners we pull from -----------------------------------------
-
-    def on_link(self, link) -> None:
-        n = self.node
-        sock = link.socket
-        link.last_heard = n.clock()
-        try:
-            event = protocol.decode_header(sock.recv(NOBLOCK))
-            if event.type == Msg.CHUNK:
-                if not sock.getsockopt(RCVMORE):
-                    raise ProtocolError("CHUNK without its payload frame")
-                link.conn.receive(event)
-                self.on_chunk(link, event.indices[0])
-                return
-            frames = [event, *self._rest(sock)]
-            link.conn.receive(event)
-            self.on_link_control(link, event, frames[1:])
-        except ProtocolError as e:
-            _discard_rest(sock)
-            n.stats.malformed += 1
-            log.warning("partner rank %d (%s) sent a bad message: %s", link.rank, link.addr, e)
-
     @staticmethod
     def _rest_bytes(sock) -> list:
         rest = []
         while sock.getsockopt(RCVMORE):
             rest.append(sock.recv())
         return rest
-
-    @staticmethod
-    def _rest(sock) -> list:
-        rest = []
-        while sock.getsockopt(RCVMORE):
-            rest.append(sock.recv(copy=False))
-        return rest
-
-    def on_link_control(self, link, event, payload: list) -> None:
-        n = self.node
-        if event.type == Msg.ATTACHED:
-            bits = bytes(payload[0].buffer) if payload else b""
-            size = n.manifest.n_chunks
-            if event.fields["n_chunks"] != size or len(bits) != (size + 7) // 8:
-                raise ProtocolError(f"ATTACHED bitfield of {len(bits)} bytes for {event.fields['n_chunks']} "
-                                    f"chunks; the blob has {size}")
-            n.pull.ready(link.rank, protocol.unpack_bits(bits, size))
-        elif event.type == Msg.BYE:  # it is leaving: its requests are asked elsewhere now, not after a timeout
-            n.partners.give_up(link.rank, "it left", level=logging.INFO)
-        elif event.type == Msg.HAVE:
-            if max(event.indices) >= n.manifest.n_chunks:
-                raise ProtocolError(f"HAVE names chunk {max(event.indices)}; the blob has {n.manifest.n_chunks}")
-            n.pull.has(link.rank, event.indices)
-        elif event.type == Msg.ERROR and str(event.fields.get("message")).startswith(NOT_PLACED):
-            n.partners.refused(link.rank)  # our ticket is stale (a restarted tracker): ask for a new plan
-        elif event.type == Msg.ERROR and event.fields.get("fatal"):
-            if "model id" in str(event.fields.get("message")) or len(n.partners.links) <= 1:  # nobody else to ask
-                n._fail(f"partner {link.addr} refused us: {event.fields.get('message')}")
-            else:
-                n.partners.give_up(link.rank, f"refused us: {event.fields.get('message')}")
-        elif event.type == Msg.ERROR:  # it lost our state (restarted?): attach again, ask again
-            log.warning("partner %s: %s; attaching again", link.addr, event.fields.get("message"))
-            n.partners.close(link.rank)
-            n.partners.open(link.rank, link.addr)
-
-    def on_chunk(self, link, index: int) -> None:
-        """A chunk arrived: hand it to the intake (verified there, and only then written and published), or
-        drop it if we did not ask for it."""
-        n = self.node
-        sock = link.socket
-        if index >= n.manifest.n_chunks or not n.pull.expects(link.rank, index):
-            _discard_rest(sock)
-            if index < n.manifest.n_chunks and n.store.has(index):  # an endgame loser, a stall re-request
-                n.stats.duplicates += 1
-            else:
-                n.stats.malformed += 1
-                log.warning("partner rank %d sent chunk %d, which we did not ask it for: dropped", link.rank, index)
-            return
-        link.last_chunk = n.clock()
-        frame = sock.recv(NOBLOCK, copy=False)  # ZeroMQ's buffer: the workers verify and copy from it
-        _discard_rest(sock)
-        n.stats.chunks_received += 1
-        n.stats.bytes_received += len(frame)
-        if n.faults is not None:
-            n.faults.received()
-        n.intake.arrived(link.rank, index, frame)
 
     # ----- tracker link (peers only) ---------------------------------------
 
@@ -245,6 +170,8 @@ class Handlers:
         kind = event.type
         if kind == Msg.ATTACH:
             self.on_attach(ident, event.fields)
+        elif kind == Msg.LANE:
+            self.on_lane(ident, event.fields)
         elif kind == Msg.REQUEST and not n.serve.attached(ident):
             # it attached, then a send to it found its connection gone (``forget``): what it asked
             # before that is still in our queue, or it reconnected; not a bad message
@@ -280,7 +207,24 @@ class Handlers:
         n.serve.attach(ident)
         bits = protocol.pack_bits(n.store.have if n.reader is None else  # a seeder reading on demand
                                   b"\x01" * n.manifest.n_chunks)  # can serve any chunk
-        n._send(ident, protocol.control(Msg.ATTACHED, n_chunks=n.manifest.n_chunks), bits)
+        n._send(ident, protocol.control(Msg.ATTACHED, n_chunks=n.manifest.n_chunks, lanes=n.lanes.max_lanes), bits)
+
+    def on_lane(self, ident: bytes, f: dict) -> None:
+        """LANE: connection ``ident`` carries chunks for a child attached from the same address with the same
+        rank, peer id and ticket (``lanes``); anything else is refused, one error to that connection."""
+        n = self.node
+        why = placed_refusal(f, n.model_id, n.secret)
+        if why is None:
+            link = n.lanes.child_of(n.children, f["rank"], f["peer_id"])
+            same = link is not None and n.admission.host.get(ident) == n.admission.host.get(link)
+            why = n.lanes.refusal(link, f["lane"], same)
+        if why is not None:
+            log.info("%s: LANE refused: %s", self._who(ident), why)
+            n._send(ident, protocol.control(Msg.ERROR, message=why, fatal=True))
+            n.drop_conn(ident)
+            return
+        n.lanes.add(link, ident)
+        n._send(ident, protocol.control(Msg.LANE_OK, lane=f["lane"]))
 
     def _reject(self, ident: bytes, reason: str, tell: bool) -> None:
         n = self.node
@@ -295,7 +239,7 @@ class Handlers:
 
     def _who(self, ident: bytes) -> str:
         n = self.node
-        child = n.children.get(ident)
+        child = n.children.get(n.lanes.child.get(ident, ident))  # a lane: the child it carries chunks for
         if child is not None:
             return f"peer {child.peer_id} (rank {child.rank})"
         member = n.endpoint.who(ident) if n.endpoint is not None else None
@@ -321,8 +265,3 @@ def _peer_address(frame) -> str:
         return frame.get("Peer-Address") or "local"
     except (zmq.ZMQError, AttributeError):
         return "local"
-
-
-def _discard_rest(sock) -> None:
-    while sock.getsockopt(RCVMORE):
-        sock.recv_into(bytearray())

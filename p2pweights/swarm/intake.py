@@ -1,6 +1,6 @@
 """Intake: what the loop does with a chunk received, and with the verdict on it.
 
-``Handlers.on_chunk`` takes a chunk's frame off the wire (no copy) and hands
+``PartnerHandlers.on_chunk`` (``pulled``) takes a chunk's frame off the wire (no copy) and hands
 it here.  A copy of a chunk already being checked waits behind it (the first
 that verifies wins; the others are dropped unwritten).  Otherwise it takes a
 free ring slot, where the store has a ring, and goes to the workers

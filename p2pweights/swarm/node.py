@@ -33,9 +33,11 @@ from ..sources.manifest import chunk_hasher
 from .admission import CHILD_TIMEOUT, MAX_PER_HOST, Admission
 from .forward import Forwarding
 from .intake import Intake
+from .lanes import Lanes
 from .member import Membership
 from .partners import Partners, send_nowait, tcp  # noqa: F401  (tcp: part of the node's surface)
-from ..wire.protocol import MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: part of the node's limits)
+from ..wire.context import default_lanes
+from ..wire.protocol import MAX_LANE, MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: part of the node's limits)
 from .pull import DEFAULT_WINDOW, PullScheduler
 from .serve import MAX_PARKED, Announcer, UploadScheduler
 
@@ -87,6 +89,7 @@ class Stats:
         self.bad_chunks = self.duplicates = self.malformed = self.stalled = 0
         self.reparented = self.resumed = self.switches = 0
         self.origin_chunks = 0  # chunks this node read from the origin and served (an origin reader)
+        self.lane_chunks = [0] * (MAX_LANE + 1)  # chunks received by lane number (0: partners' links)
         self.arrivals: list | None = None
 
     @property
@@ -103,7 +106,8 @@ class Node:
                  key: keys.FleetKey | None = None, max_children: int = MAX_CHILDREN,
                  parent_timeout: float = PARENT_TIMEOUT, tracker_timeout: float = TRACKER_TIMEOUT,
                  hello: dict | None = None, give_up_after: float = GIVE_UP_AFTER, clock=time.monotonic,
-                 child_timeout: float = CHILD_TIMEOUT, max_per_host: int = MAX_PER_HOST, workers: int = 0):
+                 child_timeout: float = CHILD_TIMEOUT, max_per_host: int = MAX_PER_HOST, workers: int = 0,
+                 lanes: int | None = None):
         keep_frame_memory()
         self.ctx, self.router, self.manifest, self.store = ctx, router, manifest, store
         self.model_id = manifest.model_id
@@ -132,6 +136,8 @@ class Node:
         self.tracker, self.partners = tracker, Partners(self)
         self.conns: dict[bytes, Connection] = {}
         self.children: dict[bytes, Child] = {}
+        self.lanes = Lanes()  # the other connections children pull over (serving side)
+        self.pull_lanes = default_lanes(ctx.get(zmq.IO_THREADS)) if lanes is None else lanes  # ours, per partner
         self.bad: dict[bytes, int] = {}
         self.seen: dict[bytes, float] = {}  # last message from each connection, for pruning idle ones
         self.fresh: list[int] = []  # verified since the last HAVE batch
@@ -305,7 +311,7 @@ class Node:
             return
         self.next_prune, keep = now + IDLE_FORGET / 2, self.endpoint.members if self.endpoint is not None else {}
         for ident in [i for i, last in self.seen.items() if now - last > IDLE_FORGET and i not in self.children
-                      and i not in keep]:
+                      and i not in keep and not self.lanes.is_lane(i)]:
             del self.seen[ident]
             self.drop_conn(ident)
             self.bad.pop(ident, None)
@@ -331,7 +337,14 @@ class Node:
         self.admission.release(ident)
 
     def forget(self, ident: bytes) -> None:
-        """Connection ``ident`` is gone or ignored: drop what it asked for; a member is gone."""
+        """Connection ``ident`` is gone or ignored: drop what it asked for; a member is gone; a lane, only
+        itself (its child sends on the rest); a child's link, its lanes too."""
+        if self.lanes.is_lane(ident):
+            self.lanes.drop(ident)
+            self.drop_conn(ident)
+            return
+        for lane in self.lanes.drop(ident):
+            self.drop_conn(lane)
         if self.endpoint is not None and ident in self.endpoint.members:
             self.endpoint.bye(ident)
         self.children.pop(ident, None)

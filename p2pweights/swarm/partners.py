@@ -10,6 +10,9 @@ A planned source given up is reported to the tracker, which names another.
 Each plan entry carries the ticket that admits us at that partner
 (``membership``); one refused as not placed there (a restarted tracker's
 partner) is dropped until the tracker's next plan, which carries a new one.
+A link to a partner that takes lanes gets up to ``node.pull_lanes`` - 1 more
+connections once ATTACHED (``lanes``): chunks only, sent on whichever the
+partner chooses; requests and control stay on the link.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import logging
 import zmq
 
 from ..wire import keys, protocol
-from ..wire.protocol import CLIENT_TRANSITIONS, Connection, Msg
+from ..wire.protocol import CLIENT_TRANSITIONS, LANE_TRANSITIONS, Connection, Msg
 from .serve import MAX_PARKED
 
 log = logging.getLogger("p2pw")
@@ -32,12 +35,22 @@ def tcp(addr: str) -> str:
 
 class PartnerLink:
     """This peer's DEALER to one partner it pulls from; ``monitor``: EVENT_DISCONNECTED of ``socket``
-    (not on the seeder's link)."""
+    (not on the seeder's link); ``lanes``: its other connections to that partner, chunks only."""
 
     def __init__(self, rank: int, addr: str, socket: zmq.Socket, conn: Connection, last_heard: float,
                  last_chunk: float, orphan_sent: float = 0.0, monitor: zmq.Socket | None = None):
         self.rank, self.addr, self.socket, self.conn = rank, addr, socket, conn
         self.last_heard, self.last_chunk, self.orphan_sent, self.monitor = last_heard, last_chunk, orphan_sent, monitor
+        self.lanes: list[Lane] = []
+
+
+class Lane:
+    """Another DEALER to a partner, number ``number`` (the link's own is 0), that carries chunks to us."""
+
+    __slots__ = ("number", "socket", "conn")
+
+    def __init__(self, number: int, socket: zmq.Socket):
+        self.number, self.socket, self.conn = number, socket, Connection(LANE_TRANSITIONS, "attaching")
 
 
 def send_nowait(sock: zmq.Socket, frame: bytes) -> bool:
@@ -59,6 +72,7 @@ class Partners:
     def __init__(self, node):
         self.node = node
         self.links: dict[int, PartnerLink] = {}
+        self.owner: dict[zmq.Socket, tuple[PartnerLink, Lane | None]] = {}  # a link's or lane's socket -> them
         self.plan: list[dict] = []  # {stripe, rank, addr} per stripe, as the tracker said
         self.tickets: dict[int, str] = {}  # rank -> the ticket that admits us there (the tracker's plan entry's)
         self.pulls = True  # False: a seeder among peers serves what it reads and pulls from nobody
@@ -71,6 +85,8 @@ class Partners:
         """A heartbeat to every partner we pull from: we live (it drops a child silent too long)."""
         for link in self.links.values():
             send_nowait(link.socket, frame)
+            for lane in link.lanes:  # (a lane says nothing else: this keeps it from looking idle there)
+                send_nowait(lane.socket, frame)
 
     def close_all(self) -> None:
         for rank in list(self.links):
@@ -131,17 +147,14 @@ class Partners:
         if not protocol.valid_addr(addr):  # plan entries are checked: never one a peer could make us dial
             log.warning("partner rank %d at %r: not HOST:PORT, not connecting", rank, addr[:80])
             return
-        sock = n.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, max(n.manifest.chunk_size, protocol.MAX_CONTROL_BODY) + 4096)
-        sock.setsockopt(zmq.RCVHWM, 4 * MAX_PARKED)
-        keys.secure_client(sock, n.key)
+        sock = self._socket()
         # the seeder's link is kept through a drop (zmq reconnects): it alone may hold what nobody else does
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) if rank != 0 else None
         sock.connect(tcp(addr))
         now = n.clock()
         self.links[rank] = PartnerLink(rank, addr, sock, Connection(CLIENT_TRANSITIONS, "attaching"), now, now,
                                        monitor=monitor)
+        self.owner[sock] = (self.links[rank], None)
         n.pull.add(rank)
         n.poller.register(sock, zmq.POLLIN)
         if monitor is not None:
@@ -149,11 +162,47 @@ class Partners:
         send_nowait(sock, protocol.control(Msg.ATTACH, peer_id=n.peer_id, rank=n.rank, model_id=n.model_id,
                                            ticket=self.tickets.get(rank)))
 
+    def _socket(self) -> zmq.Socket:
+        """A DEALER to a partner: chunks up to the manifest's size, a few windows of them queued."""
+        n = self.node
+        sock = n.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max(n.manifest.chunk_size, protocol.MAX_CONTROL_BODY) + 4096)
+        sock.setsockopt(zmq.RCVHWM, 4 * MAX_PARKED)
+        keys.secure_client(sock, n.key)
+        return sock
+
+    def open_lanes(self, link: PartnerLink, taken: int) -> None:
+        """``link``'s partner takes ``taken`` connections from us: open lanes up to that or ``pull_lanes``."""
+        n = self.node
+        for number in range(len(link.lanes) + 1, min(n.pull_lanes, taken)):
+            sock = self._socket()
+            sock.connect(tcp(link.addr))
+            lane = Lane(number, sock)
+            link.lanes.append(lane)
+            self.owner[sock] = (link, lane)
+            n.poller.register(sock, zmq.POLLIN)
+            send_nowait(sock, protocol.control(Msg.LANE, peer_id=n.peer_id, rank=n.rank, model_id=n.model_id,
+                                               ticket=self.tickets.get(link.rank), lane=number))
+
+    def close_lane(self, link: PartnerLink, lane: Lane) -> None:
+        """Close one lane of ``link``; the partner sends on the link and the others."""
+        if lane in link.lanes:
+            link.lanes.remove(lane)
+            self._close_socket(lane.socket)
+
+    def _close_socket(self, sock: zmq.Socket) -> None:
+        self.owner.pop(sock, None)
+        self.node.poller.unregister(sock)
+        sock.close(0)
+
     def close(self, rank: int) -> None:
-        """Close the link to ``rank``; its outstanding requests are free to ask elsewhere."""
+        """Close the link to ``rank`` and its lanes; its outstanding requests are free to ask elsewhere."""
         n = self.node
         link = self.links.pop(rank, None)
         if link is not None:
+            for lane in link.lanes:
+                self._close_socket(lane.socket)
             if link.monitor is not None:
                 n.poller.unregister(link.monitor)
                 try:
@@ -161,8 +210,7 @@ class Partners:
                 except zmq.ZMQError:
                     pass
                 link.monitor.close(0)
-            n.poller.unregister(link.socket)
-            link.socket.close(0)
+            self._close_socket(link.socket)
         n.pull.drop(rank)
 
     def refused(self, rank: int) -> None:

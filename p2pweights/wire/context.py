@@ -29,3 +29,10 @@ def default_io_threads(cores: int | None = None) -> int:
 def node_context(io_threads: int | None = None) -> zmq.Context:
     """A fresh context with ``io_threads`` I/O threads (default ``default_io_threads()``)."""
     return zmq.Context(io_threads=default_io_threads() if io_threads is None else max(1, io_threads))
+
+
+def default_lanes(io_threads: int) -> int:
+    """Connections a peer pulls over from each partner (``swarm.lanes``): ``P2PW_LANES`` if set (at least 1), else
+    one per I/O thread (``io_threads``), so one partner's bytes can ride each of them."""
+    env = os.environ.get("P2PW_LANES", "")
+    return max(1, int(env)) if env.strip().isdigit() else max(1, io_threads)

@@ -18,8 +18,10 @@ then ATTACHes to each partner (its planned parent per stripe and a few
 more); the partner answers ATTACHED with the bitfield of what it holds and
 then streams batched HAVEs.  The peer pulls chunks from any partner that holds
 them with REQUESTs, never more than that link's credit window outstanding: a
-partner sends only what was asked for, so a slow link slows nobody else.  An
-endgame duplicate that lost the race is withdrawn with CANCEL.  Peers report
+partner sends only what was asked for, so a slow link slows nobody else.  A
+peer may open more connections to a partner that ATTACHED says takes them:
+each says LANE with the same ticket, and the partner spreads the chunks it
+sends that peer over them (``swarm.lanes``).  An endgame duplicate that lost the race is withdrawn with CANCEL.  Peers report
 DONE to the tracker and ask to LEAVE; the tracker lets a peer go once the
 peers that depend on it are done.  Anyone may ask the tracker for the fleet
 with STATUS on a fresh connection (no join); it answers STATUS_REPLY with its
@@ -94,7 +96,7 @@ class Msg(IntEnum):
     REDIRECT = 3    # node -> joiner: {tracker}
     ERROR = 4       # any -> any: {message, fatal}
     ATTACH = 5      # peer -> partner: {peer_id, rank, model_id, ticket?} (ticket: its plan entry's)
-    ATTACHED = 6    # partner -> peer: {n_chunks} + bitfield frame of what it holds
+    ATTACHED = 6    # partner -> peer: {n_chunks, lanes?} + bitfield frame of what it holds (lanes: connections it takes)
     REQUEST = 7     # peer -> partner: u32 indices
     CHUNK = 8       # partner -> peer: u32 index + payload frame
     DONE = 9        # peer -> tracker: {rank, bytes, seconds}
@@ -117,6 +119,9 @@ class Msg(IntEnum):
     PUBLISHED = 25  # tracker -> publisher: {model_id}
     LOOKUP = 26     # anyone -> standalone tracker, on a fresh connection: {url}
     MANIFEST = 27   # tracker -> asker: {url, model_id} + manifest frame (the canonical bytes)
+    LANE = 28       # peer -> partner, on another connection once ATTACHED: {peer_id, rank, model_id, ticket?, lane}:
+    #                 carry chunks for my link here too (``swarm.lanes``)
+    LANE_OK = 29    # partner -> peer, on that connection: {lane}
 
 
 # Required JSON fields of each control message and their types.
@@ -144,6 +149,8 @@ SCHEMA: dict[Msg, dict[str, type | tuple]] = {
     Msg.PUBLISHED: {"model_id": str},
     Msg.LOOKUP: {"url": str},
     Msg.MANIFEST: {"url": str, "model_id": str},
+    Msg.LANE: {"peer_id": str, "rank": int, "model_id": str, "lane": int},
+    Msg.LANE_OK: {"lane": int},
 }
 
 
@@ -204,10 +211,24 @@ def _plan(f: dict) -> None:
                 _names(p, "ticket")
 
 
+MAX_LANE = 255  # the largest lane number or count a message may carry (a node takes far fewer: ``swarm.lanes``)
+
+
+def _lanes(f: dict, key: str) -> None:
+    """ATTACHED's ``lanes`` (how many connections the partner takes from us), LANE's and LANE_OK's ``lane``: a
+    whole number from 1 to MAX_LANE, where present."""
+    v = f.get(key)
+    if v is not None and (type(v) is not int or not 1 <= v <= MAX_LANE):
+        raise ProtocolError(f"{key!r} is not a whole number from 1 to {MAX_LANE}")
+
+
 # Field checks beyond the types (SCHEMA), by message: names bounded, addresses HOST:PORT.
 FIELD_CHECKS = {
     Msg.HELLO: _hello,
     Msg.ATTACH: lambda f: _names(f, "peer_id", "model_id", "ticket"),
+    Msg.ATTACHED: lambda f: _lanes(f, "lanes"),
+    Msg.LANE: lambda f: (_names(f, "peer_id", "model_id", "ticket"), _lanes(f, "lane")),
+    Msg.LANE_OK: lambda f: _lanes(f, "lane"),
     Msg.REDIRECT: lambda f: _addr("redirect target", f["tracker"]),
     Msg.WELCOME: _plan,
     Msg.REPARENT: _plan,
@@ -345,6 +366,7 @@ def decode(frames: list) -> Event:
 SERVER_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("new", Msg.HELLO): "member",
     ("new", Msg.ATTACH): "child",
+    ("new", Msg.LANE): "lane",
     ("new", Msg.HEARTBEAT): "new",
     ("new", Msg.STATUS): "new",
     ("new", Msg.PUBLISH): "new",
@@ -362,6 +384,7 @@ SERVER_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("child", Msg.HEARTBEAT): "child",
     ("child", Msg.ATTACH): "child",
     ("child", Msg.CANCEL): "child",
+    ("lane", Msg.HEARTBEAT): "lane",  # a lane carries chunks to the peer; it asks for nothing on one
 }
 
 # What a peer accepts from its tracker and from a parent, by state.
@@ -382,6 +405,14 @@ CLIENT_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("attached", Msg.CHUNK): "attached",
     ("attached", Msg.HEARTBEAT): "attached",
     ("attached", Msg.HAVE): "attached",
+}
+
+# What a peer accepts on a lane to a partner (``swarm.lanes``): the partner's LANE_OK, then chunks.
+LANE_TRANSITIONS: dict[tuple[str, Msg], str] = {
+    ("attaching", Msg.LANE_OK): "open",
+    ("attaching", Msg.HEARTBEAT): "attaching",
+    ("open", Msg.CHUNK): "open",
+    ("open", Msg.HEARTBEAT): "open",
 }
 
 

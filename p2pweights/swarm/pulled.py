@@ -1,0 +1,125 @@
+"""Partner handlers: what a partner we pull from sends us, on its link or on one of its lanes.
+
+ATTACHED (what it holds, and how many lanes it takes), HAVE, BYE, ERROR and
+CHUNK, each decoded by ``protocol`` and checked against that connection's
+state table (``CLIENT_TRANSITIONS`` on a link, ``LANE_TRANSITIONS`` on a
+lane); a bad one is counted and logged, and the link stays.  A chunk goes to
+the intake only if we asked that partner for it.  Loop thread only.
+"""
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from ..wire import protocol
+from ..wire.protocol import Msg, ProtocolError
+from .admission import NOT_PLACED
+
+log = logging.getLogger("p2pw")
+
+NOBLOCK, RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)  # plain ints: no enum arithmetic per frame
+
+
+class PartnerHandlers:
+    """Message handlers for the partners ``node`` pulls from."""
+
+    def __init__(self, node):
+        self.node = node
+
+    def on_link(self, link, lane=None) -> None:
+        """A message from a partner we pull from, on its link or on one of its lanes (``lane``)."""
+        n = self.node
+        sock, conn = (link.socket, link.conn) if lane is None else (lane.socket, lane.conn)
+        link.last_heard = n.clock()
+        try:
+            event = protocol.decode_header(sock.recv(NOBLOCK))
+            if event.type == Msg.CHUNK:
+                if not sock.getsockopt(RCVMORE):
+                    raise ProtocolError("CHUNK without its payload frame")
+                conn.receive(event)
+                self.on_chunk(link, event.indices[0], sock, 0 if lane is None else lane.number)
+                return
+            frames = [event, *self._rest(sock)]
+            conn.receive(event)
+            if lane is None:
+                self.on_link_control(link, event, frames[1:])
+            else:
+                self.on_lane_control(link, lane, event)
+        except ProtocolError as e:
+            discard_rest(sock)
+            n.stats.malformed += 1
+            log.warning("partner rank %d (%s) sent a bad message%s: %s", link.rank, link.addr,
+                        "" if lane is None else f" on lane {lane.number}", e)
+
+    @staticmethod
+    def _rest(sock) -> list:
+        rest = []
+        while sock.getsockopt(RCVMORE):
+            rest.append(sock.recv(copy=False))
+        return rest
+
+    def on_link_control(self, link, event, payload: list) -> None:
+        n = self.node
+        if event.type == Msg.ATTACHED:
+            bits = bytes(payload[0].buffer) if payload else b""
+            size = n.manifest.n_chunks
+            if event.fields["n_chunks"] != size or len(bits) != (size + 7) // 8:
+                raise ProtocolError(f"ATTACHED bitfield of {len(bits)} bytes for {event.fields['n_chunks']} "
+                                    f"chunks; the blob has {size}")
+            n.pull.ready(link.rank, protocol.unpack_bits(bits, size))
+            if event.fields.get("lanes"):  # it takes that many connections from us: open our other lanes
+                n.partners.open_lanes(link, event.fields["lanes"])
+        elif event.type == Msg.BYE:  # it is leaving: its requests are asked elsewhere now, not after a timeout
+            n.partners.give_up(link.rank, "it left", level=logging.INFO)
+        elif event.type == Msg.HAVE:
+            if max(event.indices) >= n.manifest.n_chunks:
+                raise ProtocolError(f"HAVE names chunk {max(event.indices)}; the blob has {n.manifest.n_chunks}")
+            n.pull.has(link.rank, event.indices)
+        elif event.type == Msg.ERROR and str(event.fields.get("message")).startswith(NOT_PLACED):
+            n.partners.refused(link.rank)  # our ticket is stale (a restarted tracker): ask for a new plan
+        elif event.type == Msg.ERROR and event.fields.get("fatal"):
+            if "model id" in str(event.fields.get("message")) or len(n.partners.links) <= 1:  # nobody else to ask
+                n._fail(f"partner {link.addr} refused us: {event.fields.get('message')}")
+            else:
+                n.partners.give_up(link.rank, f"refused us: {event.fields.get('message')}")
+        elif event.type == Msg.ERROR:  # it lost our state (restarted?): attach again, ask again
+            log.warning("partner %s: %s; attaching again", link.addr, event.fields.get("message"))
+            n.partners.close(link.rank)
+            n.partners.open(link.rank, link.addr)
+
+    def on_lane_control(self, link, lane, event) -> None:
+        """LANE_OK, a heartbeat or an ERROR on one of ``link``'s lanes (chunks are ``on_chunk``'s)."""
+        if event.type == Msg.LANE_OK and event.fields["lane"] != lane.number:
+            raise ProtocolError(f"LANE_OK for lane {event.fields['lane']} on lane {lane.number}")
+        if event.type == Msg.ERROR:  # refused (or its state lost): the link and its other lanes carry on
+            log.info("partner rank %d: lane %d closed: %s", link.rank, lane.number, event.fields.get("message"))
+            self.node.partners.close_lane(link, lane)
+
+    def on_chunk(self, link, index: int, sock, lane: int = 0) -> None:
+        """A chunk arrived on ``sock`` (``link``'s own connection, or its lane number ``lane``): hand it to the
+        intake (verified there, and only then written and published), or drop it if we did not ask for it."""
+        n = self.node
+        if index >= n.manifest.n_chunks or not n.pull.expects(link.rank, index):
+            discard_rest(sock)
+            if index < n.manifest.n_chunks and n.store.has(index):  # an endgame loser, a stall re-request
+                n.stats.duplicates += 1
+            else:
+                n.stats.malformed += 1
+                log.warning("partner rank %d sent chunk %d, which we did not ask it for: dropped", link.rank, index)
+            return
+        link.last_chunk = n.clock()
+        frame = sock.recv(NOBLOCK, copy=False)  # ZeroMQ's buffer: the workers verify and copy from it
+        discard_rest(sock)
+        n.stats.chunks_received += 1
+        n.stats.bytes_received += len(frame)
+        n.stats.lane_chunks[lane] += 1
+        if n.faults is not None:
+            n.faults.received()
+        n.intake.arrived(link.rank, index, frame)
+
+
+def discard_rest(sock) -> None:
+    """Drop the frames left of the message being read from ``sock``."""
+    while sock.getsockopt(RCVMORE):
+        sock.recv_into(bytearray())
