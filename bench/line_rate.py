@@ -2,7 +2,7 @@
 """Line rate on loopback: p2pw beside raw-socket programs doing the same work, per-thread CPU per GB.
 
     python bench/line_rate.py [--sizes 1GiB,3GiB] [--where disk,tmpfs] [--modes hop,relay] [--repeat 3]
-                              [--cores K] [--chunk-size 4MiB] [--disk-dir /var/tmp] [--json FILE]
+                              [--cores K[,K...]] [--chunk-size 4MiB] [--disk-dir /var/tmp] [--json FILE]
                               [--join-args '--io-threads 2 --lanes 2'] [--seed-args '--io-threads 2']
 
 Two shapes, each run by p2pw and by raw programs in the same invocation,
@@ -26,7 +26,9 @@ The source file and the destinations are on disk (``--disk-dir``) or on tmpfs
 ``--report`` (``threads``, read inside it at the end) replaces the sampled
 figures for it.  CPU is shown per GB of the blob each process received (the
 seeder: per GB of the blob).  ``--cores K`` pins every process to CPUs
-0..K-1 with ``taskset``.  Prints medians with min-max over the repeats, and
+0..K-1 with ``taskset`` (``--cores 1,2,4,8``: every case for each K, a
+K column in the table), so the defaults that follow the cores a process
+may use (workers, I/O threads, lanes) follow K.  Prints medians with min-max over the repeats, and
 the p2pw/raw ratio of each repeat's pair (median and spread).
 """
 from __future__ import annotations
@@ -396,11 +398,11 @@ def per_gb(runs: list[dict], total: int) -> dict[str, dict[str, str]]:
             for proc, rs in out.items()}
 
 
-def summarise(case: dict, total: int) -> list[str]:
+def summarise(case: dict, total: int, cores: int | None = None) -> list[str]:
     p, r = case["p2pw"], case["raw"]
     ps, rs = [x["seconds"] for x in p], [x["seconds"] for x in r]
     ratios = [a / b for a, b in zip(ps, rs)]
-    lines = [f"| {case['size']} | {case['where']} | {case['mode']} | {spread(ps)} | {spread(rs)} | "
+    lines = [f"| {'' if cores is None else f'{cores} | '}{case['size']} | {case['where']} | {case['mode']} | {spread(ps)} | {spread(rs)} | "
              f"{spread(ratios)} | {total / statistics.median(ps) / 1e9:.2f} | {total / statistics.median(rs) / 1e9:.2f} |"]
     loops = [u for x in p for u in x["loop_us_per_chunk"] if u is not None]
     rings = [g for x in p for g in x.get("ring", []) if g]
@@ -409,10 +411,47 @@ def summarise(case: dict, total: int) -> list[str]:
               f"{sum(g.get('read_back', 0) for g in rings)}), most slots {max(g['slots'] for g in rings)}"
               if rings else "")
     cpu = {**per_gb(p, total), **per_gb(r, total)}
+    io = [max(e) / (total / 1e9) for x in p for e in x.get("zmq_io_each") or () if e]  # each join's busiest
+    lanes = [sum(1 for c in lc if c) for x in p for lc in x.get("lane_chunks") or () if lc]
     lines.append("    CPU s/GB by thread: " + "; ".join(
         f"{proc}: " + ", ".join(f"{k} {v}" for k, v in sorted(rs.items(), key=lambda kv: -float(kv[1])))
-        for proc, rs in cpu.items()) + (f"; loop µs/chunk {spread(loops, '{:.0f}')}" if loops else "") + served)
+        for proc, rs in cpu.items()) + (f"; loop µs/chunk {spread(loops, '{:.0f}')}" if loops else "") + served
+        + (f"; a join's busiest zmq_io thread {spread(io, '{:.3f}')} CPU s/GB, lanes that carried chunks "
+           f"{max(lanes)}" if io and lanes else ""))
     return lines
+
+
+def run_cases(a, pin: list[str], k: int, sampler, text: str, total: int, where: str) -> list[dict]:
+    """Every mode of one size and place, p2pw and raw alternating ``a.repeat`` times; each case's rows printed."""
+    cases = []
+    base = TMPFS if where == "tmpfs" else a.disk_dir
+    if where == "disk" and memory_backed(base):
+        raise SystemExit(f"--disk-dir {base} is in memory")
+    tmp = tempfile.mkdtemp(prefix="p2pw-line-rate-", dir=base)
+    try:
+        src = os.path.join(tmp, "model.bin")
+        make_source(src, total)
+        for mode in a.modes.split(","):
+            case = {"cores": k, "size": text, "where": where, "mode": mode, "p2pw": [], "raw": []}
+            joins = 1 if mode == "hop" else 2
+            for n in range(a.repeat):
+                for who in (("p2pw", "raw") if n % 2 == 0 else ("raw", "p2pw")):
+                    dests = [os.path.join(tmp, f"out{j}") for j in range(joins)]
+                    if who == "raw":
+                        dests = [d + ".bin" for d in dests]
+                        case[who].append(raw_run(mode, src, dests, a.chunk_size, pin, sampler))
+                    else:
+                        case[who].append(p2pw_run(mode, src, dests, a.chunk_size, pin, sampler, tmp,
+                                                  a.join_args.split(), a.seed_args.split()))
+                    for d in dests:
+                        if not a.no_check:
+                            check_copy(src, d)
+                        shutil.rmtree(d) if os.path.isdir(d) else os.remove(d)
+            cases.append(case)
+            print("\n".join(summarise(case, total, k if a.cores else None)), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cases
 
 
 def main() -> int:
@@ -433,7 +472,8 @@ def main() -> int:
     ap.add_argument("--where", default="disk,tmpfs", help="disk, tmpfs or both")
     ap.add_argument("--modes", default="hop,relay", help="hop, relay or both")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--cores", type=int, default=0, help="pin every process to CPUs 0..K-1 (taskset)")
+    ap.add_argument("--cores", default="", metavar="K[,K...]",
+                    help="pin every process to CPUs 0..K-1 (taskset); a list (1,2,4,8) runs every case for each K")
     ap.add_argument("--chunk-size", type=size, default=4 << 20)
     ap.add_argument("--disk-dir", default="/var/tmp", help="a directory on disk (not tmpfs) for the disk runs")
     ap.add_argument("--no-check", action="store_true", help="skip comparing each copy with the source")
@@ -441,44 +481,20 @@ def main() -> int:
     ap.add_argument("--join-args", default="", help="more flags for every p2pw join, e.g. '--io-threads 2 --lanes 2'")
     ap.add_argument("--seed-args", default="", help="more flags for the p2pw seeder, e.g. '--io-threads 2'")
     a = ap.parse_args()
-    pin = ["taskset", "-c", f"0-{a.cores - 1}"] if a.cores else []
     sampler = Threads()
     cases = []
-    print(f"# {os.cpu_count()} CPUs{f', each process pinned to {a.cores}' if a.cores else ''}; "
+    cores = [int(k) for k in a.cores.split(",")] if a.cores else [0]
+    print(f"# {os.cpu_count()} CPUs{f', each process pinned to the first K: K = {a.cores}' if a.cores else ''}; "
           f"{os.uname().release}; chunk {a.chunk_size >> 20} MiB; medians [min-max] of {a.repeat}", flush=True)
-    print("| size | where | mode | p2pw s | raw s | p2pw/raw | p2pw GB/s | raw GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print(f"| {'K | ' if a.cores else ''}size | where | mode | p2pw s | raw s | p2pw/raw | p2pw GB/s | raw GB/s |")
+    print(f"| {'--- | ' if a.cores else ''}--- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     try:
-        for text in a.sizes.split(","):
-            total = size(text)
-            for where in a.where.split(","):
-                base = TMPFS if where == "tmpfs" else a.disk_dir
-                if where == "disk" and memory_backed(base):
-                    raise SystemExit(f"--disk-dir {base} is in memory")
-                tmp = tempfile.mkdtemp(prefix="p2pw-line-rate-", dir=base)
-                try:
-                    src = os.path.join(tmp, "model.bin")
-                    make_source(src, total)
-                    for mode in a.modes.split(","):
-                        case = {"size": text, "where": where, "mode": mode, "p2pw": [], "raw": []}
-                        joins = 1 if mode == "hop" else 2
-                        for k in range(a.repeat):
-                            for who in (("p2pw", "raw") if k % 2 == 0 else ("raw", "p2pw")):
-                                dests = [os.path.join(tmp, f"out{j}") for j in range(joins)]
-                                if who == "raw":
-                                    dests = [d + ".bin" for d in dests]
-                                    case[who].append(raw_run(mode, src, dests, a.chunk_size, pin, sampler))
-                                else:
-                                    case[who].append(p2pw_run(mode, src, dests, a.chunk_size, pin, sampler, tmp,
-                                                             a.join_args.split(), a.seed_args.split()))
-                                for d in dests:
-                                    if not a.no_check:
-                                        check_copy(src, d)
-                                    shutil.rmtree(d) if os.path.isdir(d) else os.remove(d)
-                        cases.append(case)
-                        print("\n".join(summarise(case, total)), flush=True)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
+        for k in cores:
+            pin = ["taskset", "-c", f"0-{k - 1}"] if k else []
+            for text in a.sizes.split(","):
+                total = size(text)
+                for where in a.where.split(","):
+                    cases += run_cases(a, pin, k, sampler, text, total, where)
     finally:
         sampler.close()
         if a.json:

@@ -219,6 +219,17 @@ def test_a_join_pulls_over_lanes_on_two_io_threads_and_ends_exact(procs, tmp_pat
     assert sum(1 for c in report["lane_chunks"] if c) >= 2 and len(report["zmq_io_each"]) == 2
 
 
+def test_lanes_refused_by_the_cap_per_address_leave_the_join_on_its_link(procs, tmp_path, model):
+    """A seeder that lets one address hold two connections (a join's tracker link and chunk link) refuses the
+    lanes; the join pulls everything over its link and ends exact."""
+    seeder, info = procs.seeder(model, "--chunk-size", CHUNK, "--max-conns-per-host", 2)
+    peer = procs.join(info["port"], tmp_path / "out", "--lanes", 4, "--report", tmp_path / "r.json")
+    assert peer.wait(90) == 0, peer.output()
+    assert (tmp_path / "out" / "model.bin").read_bytes() == model.read_bytes()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["lane_chunks"] == [8, 0, 0, 0]
+
+
 def test_forwarding_joins_over_lanes_end_exact_and_forward_no_corrupt_chunk(procs, tmp_path, where):  # noqa: F811
     """Two joins pulling over 3 lanes each (from the seeder and from each other), corrupting a fifth of what they
     send: both copies exact, every bad chunk fetched again."""
