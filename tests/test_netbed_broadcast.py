@@ -77,3 +77,21 @@ def test_a_host_with_a_slow_uplink_ends_a_leaf_and_every_copy_arrives(model, tmp
     assert [r["reports"][h]["bytes"] for h in (1, 2, 3, 4)] == [size] * (N + 1)
     slow = r["reports"][1]["rank"]
     assert any(f"rank {slow} " in m and "becomes a leaf" in m for _, m in r["seed_events"])
+
+
+@pytest.mark.timeout(150)
+def test_hosts_pulling_over_lanes_survive_a_killed_partner(model, tmp_path, monkeypatch):
+    # every process on 2 I/O threads and 2 lanes per partner (the environment reaches the hosts): one
+    # receiver is killed at a third of the transfer, so its partners' links and lanes drop at once; every
+    # other copy arrives exact, and chunks came over the lanes
+    import fleet
+
+    monkeypatch.setenv("P2PW_IO_THREADS", "2")
+    monkeypatch.setenv("P2PW_LANES", "2")
+    with Testbed(N + 2, rate_mbit=100) as tb:
+        r = fleet.run_p2pw(tb, model, N + 1, str(tmp_path), chunk=CHUNK, timeout=90, kill=True)
+    survivors = sorted(r["exits"])
+    assert len(survivors) == N and r["killed"]["host"] not in survivors
+    assert [r["reports"][h]["bytes"] for h in survivors] == [r["blob_size"]] * N
+    assert all(r["reports"][h]["lanes"] == 2 for h in survivors)
+    assert sum(r["reports"][h]["lane_chunks"][1] for h in survivors) > 0
