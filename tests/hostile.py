@@ -19,11 +19,11 @@ from p2pweights.wire.protocol import Msg, ProtocolError
 class Stranger:
     """One connection to a node at 127.0.0.1:``port``, as anyone on the network may open."""
 
-    def __init__(self, port: int, ctx: zmq.Context | None = None):
+    def __init__(self, port: int, ctx: zmq.Context | None = None, source: str | None = None):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.sock.connect(f"tcp://{f'{source}:0;' if source else ''}127.0.0.1:{port}")  # source: another loopback
 
     def send(self, kind: Msg, **fields) -> None:
         self.sock.send(protocol.control(kind, **fields))

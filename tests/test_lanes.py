@@ -151,6 +151,19 @@ def test_a_lane_needs_its_partner_attached_first_and_its_ticket(seeder):
             s.close()
 
 
+def test_a_lane_from_another_address_than_its_link_is_refused(seeder):
+    link = attach(seeder)  # from 127.0.0.1
+    other = Stranger(seeder.port, source="127.0.0.2")  # the same peer's ticket, from another address
+    try:
+        e = other.ask(Msg.LANE, peer_id="p", rank=3, model_id=seeder.model_id,
+                      ticket=seeder.tracker.seal.ticket(0, 3), lane=1)
+        assert e.type == Msg.ERROR and e.fields["fatal"] and "another address" in e.fields["message"]
+        assert seeder.node.lanes.paths == {}
+    finally:
+        other.close()
+        link.close()
+
+
 def test_chunks_spread_over_a_partners_link_and_its_lanes_and_arrive_exact(seeder, model):
     link = attach(seeder)
     lanes = []
