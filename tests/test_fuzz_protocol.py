@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2pweights.wire import protocol
-from p2pweights.wire.protocol import (CLIENT_TRANSITIONS, HEADER, MAGIC, PROTOCOL_VERSION, SERVER_TRANSITIONS, Connection,
-                                 Event, Msg, ProtocolError)
+from p2pweights.wire.protocol import (CLIENT_TRANSITIONS, HEADER, LANE_TRANSITIONS, MAGIC, PROTOCOL_VERSION,
+                                 SERVER_TRANSITIONS, Connection, Event, Msg, ProtocolError)
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 kinds = st.integers(0, 255)
@@ -69,11 +69,12 @@ def test_request_indices(indices):
 
 
 @FUZZ
-@given(st.sampled_from([SERVER_TRANSITIONS, CLIENT_TRANSITIONS]),
+@given(st.sampled_from([SERVER_TRANSITIONS, CLIENT_TRANSITIONS, LANE_TRANSITIONS]),
        st.lists(st.sampled_from(list(Msg)), max_size=20))
 def test_state_machines(table, kinds_seen):
     states = {s for s, _ in table} | set(table.values())
-    conn = Connection(table, "new" if table is SERVER_TRANSITIONS else "hello")
+    first = "new" if table is SERVER_TRANSITIONS else "hello" if table is CLIENT_TRANSITIONS else "attaching"
+    conn = Connection(table, first)
     for kind in kinds_seen:
         try:
             conn.receive(Event(kind))
@@ -160,6 +161,20 @@ def test_no_member_message_crashes_the_tracker(messages):
         ep.take()
         ep.review()
     assert all(ep.tracker.members[r].rank == r for r in ep.idents)
+
+
+@pytest.mark.parametrize("value", [0, -1, 256, 1.5, "2", True, [1], None])
+def test_a_lane_number_or_count_is_a_whole_number_from_1_to_255_or_refused(value):
+    for kind, key, rest in ((Msg.LANE, "lane", {"peer_id": "p", "rank": 3, "model_id": "m"}),
+                            (Msg.LANE_OK, "lane", {}), (Msg.ATTACHED, "lanes", {"n_chunks": 8})):
+        bits = [b"\xff"] if kind == Msg.ATTACHED else []
+        frames = [header(kind) + json.dumps({**rest, key: value}).encode(), *bits]
+        if value is None and kind == Msg.ATTACHED:  # ATTACHED may leave it out (a partner taking no lanes)
+            assert protocol.decode(frames).fields["lanes"] is None
+        else:
+            assert decodes_or_refuses(frames) is None, (kind, value)
+        ok = protocol.decode([header(kind) + json.dumps({**rest, key: 7}).encode(), *frames[1:]])
+        assert ok.fields[key] == 7
 
 
 @pytest.mark.parametrize("linger", [-1, float("nan"), float("inf"), 1e12, "5", True, [1]])

@@ -37,7 +37,7 @@ from .lanes import Lanes
 from .member import Membership
 from .partners import Partners, send_nowait, tcp  # noqa: F401  (tcp: part of the node's surface)
 from ..wire.context import default_lanes
-from ..wire.protocol import MAX_LANE, MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: part of the node's limits)
+from ..wire.protocol import MAX_LANE, MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: the node's limits)
 from .pull import DEFAULT_WINDOW, PullScheduler
 from .serve import MAX_PARKED, Announcer, UploadScheduler
 

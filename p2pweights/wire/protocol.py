@@ -21,11 +21,12 @@ them with REQUESTs, never more than that link's credit window outstanding: a
 partner sends only what was asked for, so a slow link slows nobody else.  A
 peer may open more connections to a partner that ATTACHED says takes them:
 each says LANE with the same ticket, and the partner spreads the chunks it
-sends that peer over them (``swarm.lanes``).  An endgame duplicate that lost the race is withdrawn with CANCEL.  Peers report
-DONE to the tracker and ask to LEAVE; the tracker lets a peer go once the
-peers that depend on it are done.  Anyone may ask the tracker for the fleet
-with STATUS on a fresh connection (no join); it answers STATUS_REPLY with its
-latest snapshot (any other node answers REDIRECT to the tracker).
+sends that peer over them (``swarm.lanes``).  An endgame duplicate that
+lost the race is withdrawn with CANCEL.  Peers report DONE to the tracker
+and ask to LEAVE; the tracker lets a peer go once the peers that depend on
+it are done.  Anyone may ask the tracker for the fleet with STATUS on a
+fresh connection (no join); it answers STATUS_REPLY with its latest
+snapshot (any other node answers REDIRECT to the tracker).
 
 A standalone tracker (``p2pw tracker``) serves one swarm per model id on one
 port.  Its manifests come from PUBLISH (the origin's URL and the manifest's
