@@ -38,3 +38,25 @@ def test_a_complete_join_serves_a_late_one_chunks_read_back_from_its_files(procs
     report = json.loads((tmp_path / "b.json").read_text())
     assert 1 in report["parents"], report["parents"]  # rank 1, the first join, is a planned source of b
     assert same_tree(src, tmp_path / "b") == [] and report["bad_chunks"] == 0
+
+
+def test_late_joins_asking_one_complete_join_for_the_same_evicted_chunks_end_exact(procs, tmp_path):
+    """A complete join on disk with workers (its ring: 4 chunks of 64) stays; four joins arriving together
+    take stripes from it, so several ask it for the same chunks its ring no longer holds at about the same time:
+    a chunk being read back for one is sent to the others from the same slot, every copy is exact, and the
+    complete join is still serving (two reads of one chunk once left it in two slots, and a later take of them
+    failed that join with a KeyError: `tests/test_ring.py` holds the case without the race)."""
+    src = tmp_path / "model"
+    write_synthetic_model(src, size_mb=4, shards=2)
+    seeder, info = procs.seeder(src, "--chunk-size", "64KiB")
+    first = procs.join(info["port"], tmp_path / "a", "--memory-budget", "2MiB", "--workers", 2, "--stay",
+                       "--report", tmp_path / "a.json")
+    first.wait_line("staying to serve")
+    if json.loads((tmp_path / "a.json").read_text())["ring"] is None:
+        pytest.skip("this filesystem takes no O_DIRECT: the copy was written without a ring")
+    late = [procs.join(info["port"], tmp_path / f"late{k}", "--report", tmp_path / f"late{k}.json")
+            for k in range(4)]
+    for k, j in enumerate(late):
+        assert j.wait(60) == 0, j.output()
+        assert same_tree(src, tmp_path / f"late{k}") == []
+    assert first.popen.poll() is None, first.output()  # still serving: no internal error

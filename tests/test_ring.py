@@ -37,6 +37,22 @@ def test_slots_are_taken_oldest_first_and_drop_what_they_held():
                              "sent_from_files": 1, "read_back": 0}
 
 
+def test_a_chunk_held_again_in_another_slot_leaves_the_first_holding_nothing():
+    """Read back twice (two partners asking at once), a chunk lands in two slots: the later one holds it, the
+    earlier one nothing, and taking every slot over and over finds them consistent."""
+    ring = ChunkRing(C, slots=3)
+    a, _ = ring.take(C, received=False)
+    b, _ = ring.take(C, received=False)
+    ring.hold(a, 7, received=False)
+    ring.hold(b, 7, received=False)
+    assert ring.view(7, C)[0] == b and ring.chunk_in[a] == -1
+    for _ in range(2 * ring.slots):
+        slot, _ = ring.take(C)
+        ring.hold(slot, 100 + slot)
+    assert ring.view(7, C) == (None, None)
+    assert all(ring.chunk_in[s] == i for i, s in ring.slot_of.items())
+
+
 class Clock:
     def __init__(self):
         self.now = 100.0

@@ -99,7 +99,11 @@ class ChunkRing:
 
     def hold(self, slot: int, index: int, received: bool = True) -> None:
         """Chunk ``index``, verified and on disk, is what ``slot`` holds now (``received``, else read back: the
-        rate counts only what arrives)."""
+        rate counts only what arrives); another slot that held it holds nothing from now on (one slot per chunk:
+        ``take`` forgets a slot's chunk by it)."""
+        other = self.slot_of.get(index)
+        if other is not None and other != slot:
+            self.chunk_in[other] = -1
         self.slot_of[index] = slot
         self.chunk_in[slot] = index
         if not received:

@@ -30,6 +30,7 @@ class Forwarding:
         self.node = node
         self.reading = 0
         self.ready: deque = deque()  # (ident, index, slot) read, not yet sent
+        self.also: dict[int, list[bytes]] = {}  # chunk being read back -> other partners that asked for it meanwhile
 
     def send(self, ident: bytes, index: int) -> bool:
         """Send chunk ``index`` to ``ident``, or have the workers read it back first; False if it would block
@@ -76,13 +77,18 @@ class Forwarding:
         sent now (a slot holds it, there is no ring or no worker free, or no free slot)."""
         store, pool = self.node.store, self.node.intake.pool
         ring = store.ring
-        if ring is None or getattr(store.files, "reads", None) is None or not pool.threads or pool.full \
-                or index in ring.slot_of:
+        if ring is None or getattr(store.files, "reads", None) is None or not pool.threads or index in ring.slot_of:
+            return False
+        if index in self.also:  # being read back for another partner: sent to this one from the same slot
+            self.also[index].append(ident)
+            return True
+        if pool.full:
             return False
         slot, view = ring.take(ring.stride, received=False)
         if slot is None:
             return False
         pool.submit(Read(index, ident, slot, view))
+        self.also[index] = []
         self.reading += 1
         return True
 
@@ -95,6 +101,8 @@ class Forwarding:
             log.warning("reading chunk %d back from the copy failed (%s): sending it as it is served",
                         job.index, job.error)
         self.ready.append((job.ident, job.index, job.slot if job.ok else None))
+        for ident in self.also.pop(job.index, ()):  # sent once the first send holds the slot (``flush``)
+            self.ready.append((ident, job.index, None))
 
     def flush(self) -> None:
         """Send what was read, in order; a send that would block stays, first in line for its partner."""
