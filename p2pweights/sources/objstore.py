@@ -352,9 +352,8 @@ class S3Source:
         todo = list(run)
 
         def landed(upto: int) -> None:
-            while todo and manifest.chunk_span(todo[0])[1] <= upto:
-                i = todo[0]
-                a, b = manifest.chunk_span(i)
+            while todo and (span := manifest.chunk_span(todo[0]))[1] <= upto:
+                i, (a, b) = todo[0], span
                 view = got[a - lo: b - lo] if direct else view_of(i)
                 if not direct:
                     view[:] = got[a - lo: b - lo]
@@ -365,8 +364,8 @@ class S3Source:
         try:
             self._fill(lo, got, landed)
         except Exception:
-            for i in list(todo):
-                todo.pop(0)
+            while todo:
+                i = todo.pop(0)
                 emit(i, self._checked(manifest, i, view_of(i), digest))
 
     def _checked(self, manifest, index: int, view: memoryview, digest) -> bool:

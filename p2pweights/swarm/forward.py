@@ -73,8 +73,9 @@ class Forwarding:
         return False
 
     def read_ahead(self, ident: bytes, index: int) -> bool:
-        """Hand chunk ``index`` for ``ident`` to the workers if its slot was reused; False where it is to be
-        sent now (a slot holds it, there is no ring or no worker free, or no free slot)."""
+        """Hand chunk ``index`` for ``ident`` to the workers if its slot was reused (or, being read back already,
+        to that read); False where it is to be sent now (a slot holds it, there is no ring or no worker free, or
+        no free slot)."""
         store, pool = self.node.store, self.node.intake.pool
         ring = store.ring
         if ring is None or getattr(store.files, "reads", None) is None or not pool.threads or index in ring.slot_of:

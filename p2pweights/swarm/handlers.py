@@ -19,7 +19,7 @@ from ..wire.protocol import MAX_NAME, SERVER_TRANSITIONS, Connection, Msg, Proto
 from .admission import NOT_PLACED, attach_refusal, placed_refusal
 from .intake import MAX_BAD_FROM_PARENT  # noqa: F401  (part of the node's limits)
 from .originread import landed
-from .pulled import PartnerHandlers
+from .pulled import NOBLOCK, RCVMORE, PartnerHandlers
 
 log = logging.getLogger("p2pw")
 
@@ -29,7 +29,7 @@ DRAIN_SECONDS = 0.02  # and at most this long, so timers (heartbeats) keep their
 READY = struct.Struct("<I?")  # read-ahead -> loop: chunk index, matched the manifest
 # pyzmq's constants are enums; as ints they cost no enum arithmetic on every message and frame (the node's
 # sends use NOBLOCK too: pyzmq ORs SNDMORE into the flags per frame)
-EVENTS, POLLIN, RCVMORE, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE), int(zmq.NOBLOCK)
+EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Handlers:

@@ -46,7 +46,7 @@ class Lanes:
             return "lane for a partner not attached here (ATTACH first, then open lanes)"
         if not same_host:
             return "lane from another address than its partner's link"
-        if not 1 <= lane < self.max_lanes or len(self.paths.get(link, (link,))) >= self.max_lanes:
+        if not 1 <= lane < self.max_lanes or self.count(link) >= self.max_lanes:
             return f"a partner pulls over at most {self.max_lanes} connections here (its link and its lanes)"
         return None
 

@@ -84,9 +84,7 @@ class Partners:
     def beat(self, frame: bytes) -> None:
         """A heartbeat to every partner we pull from: we live (it drops a child silent too long)."""
         for link in self.links.values():
-            send_nowait(link.socket, frame)
-            for lane in link.lanes:  # (a lane says nothing else: this keeps it from looking idle there)
-                send_nowait(lane.socket, frame)
+            send_nowait(link.socket, frame)  # (not on its lanes: a serving node keeps a lane while its link lives)
 
     def close_all(self) -> None:
         for rank in list(self.links):

@@ -16,12 +16,17 @@ MAX_IO_THREADS = 8  # the default's ceiling (``default_io_threads``): a 100 Gbit
 CORES_PER_IO_THREAD = 4  # the default gives libzmq one I/O thread per this many cores
 
 
+def _env_count(name: str) -> int | None:
+    """The whole number in environment variable ``name``, at least 1; None where it is unset or not a count."""
+    env = os.environ.get(name, "")
+    return max(1, int(env)) if env.strip().isdigit() else None
+
+
 def default_io_threads(cores: int | None = None) -> int:
     """libzmq I/O threads for a host with ``cores`` usable cores (this process's): ``P2PW_IO_THREADS`` if set (at
     least 1), else ``cores // CORES_PER_IO_THREAD`` between 1 and ``MAX_IO_THREADS`` (1 up to 7 cores, 4 on 16)."""
-    env = os.environ.get("P2PW_IO_THREADS", "")
-    if env.strip().isdigit():
-        return max(1, int(env))
+    if (env := _env_count("P2PW_IO_THREADS")) is not None:
+        return env
     cores = cores if cores is not None else len(os.sched_getaffinity(0))
     return max(1, min(MAX_IO_THREADS, cores // CORES_PER_IO_THREAD))
 
@@ -34,5 +39,5 @@ def node_context(io_threads: int | None = None) -> zmq.Context:
 def default_lanes(io_threads: int) -> int:
     """Connections a peer pulls over from each partner (``swarm.lanes``): ``P2PW_LANES`` if set (at least 1), else
     one per I/O thread (``io_threads``), so one partner's bytes can ride each of them."""
-    env = os.environ.get("P2PW_LANES", "")
-    return max(1, int(env)) if env.strip().isdigit() else max(1, io_threads)
+    env = _env_count("P2PW_LANES")
+    return env if env is not None else max(1, io_threads)
