@@ -332,10 +332,11 @@ class Download:
         """CPU seconds of this process's threads by role so far: ``loop`` (the node's event loop), ``zmq_io``
         (libzmq's I/O threads), ``workers`` (byte-path threads off the loop), ``finisher`` (fsyncs and renames),
         ``main`` and ``other`` (threads that have ended among them); ``loop_us_per_chunk``: the loop's CPU
-        microseconds per chunk received; ``workers``: the pool's threads, ``io_threads``: libzmq's, ``zmq_io_each``: CPU
-        seconds of each of them, ``lanes``: connections pulled over per partner, ``lane_chunks``: chunks received
-        on each (the links first), ``checked_on_loop``: chunks the loop verified itself (no workers),
-        ``waited_for_workers``: times it waited for one (every one busy)."""
+        microseconds per chunk received; ``loop_passes``: its polls (near one a chunk, it woke for each chunk,
+        and the wakes weigh in its CPU); ``workers``: the pool's threads, ``io_threads``: libzmq's,
+        ``zmq_io_each``: CPU seconds of each of them, ``lanes``: connections pulled over per partner,
+        ``lane_chunks``: chunks received on each (the links first), ``checked_on_loop``: chunks the loop
+        verified itself (no workers), ``waited_for_workers``: times it waited for one (every one busy)."""
         roles = dict.fromkeys(("loop", "zmq_io", "workers", "finisher", "main", "other"), 0.0)
         io_each = []
         usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -366,6 +367,7 @@ class Download:
         got = self.node.stats.chunks_received
         return {"threads": {k: round(v, 3) for k, v in roles.items()},
                 "loop_us_per_chunk": round(roles["loop"] * 1e6 / got, 1) if got else None,
+                "loop_passes": self.node.stats.loop_passes,
                 "workers": self.node.intake.pool.size, "io_threads": self.node.ctx.get(zmq.IO_THREADS),
                 "zmq_io_each": io_each, "lanes": self.node.pull_lanes,
                 "lane_chunks": self.node.stats.lane_chunks[:max(self.node.pull_lanes, 1)],

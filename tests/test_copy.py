@@ -139,6 +139,7 @@ def test_joins_into_tmpfs_forwarding_to_each_other_write_exact_copies_and_report
         assert r["ring"] is None  # tmpfs: verified in the network buffer, written once (no slot, no O_DIRECT)
         assert set(r["threads"]) >= {"loop", "zmq_io", "workers"} and r["threads"]["loop"] >= 0
         assert r["loop_us_per_chunk"] is not None and r["loop_us_per_chunk"] >= 0
+        assert r["loop_passes"] >= 1
 
 
 def test_memory_backed_tells_tmpfs_from_other_filesystems(shm):

@@ -49,7 +49,7 @@ def test_a_request_on_a_dropped_childs_connection_is_answered_not_counted_as_bad
         def deliver(frame: bytes) -> bytes:
             dealer.send(frame)
             assert node.router.poll(5000)
-            handlers.on_router(node.router)
+            handlers.dispatch(node.router)
             return next(iter(node.conns)) if len(node.conns) == 1 else None
 
         ident = deliver(protocol.control(Msg.ATTACH, peer_id="c", rank=1, model_id=node.manifest.model_id))
@@ -76,7 +76,7 @@ def test_leave_and_wake_reach_the_loop_through_its_inbox_and_run_its_timers_at_o
         node.next_timers = 1e9
         node.post(verb)
         assert node.inbox.poll(5000)
-        handlers.on_inbox(node.inbox)
+        handlers.dispatch(node.inbox)
         assert node.next_timers == 0.0 and node.leave_when_done == leaving
 
 
@@ -110,3 +110,37 @@ def test_a_child_silent_past_its_timeout_is_dropped_and_frees_its_slot(node):
         node.serve.attach(ident)
     node._prune(CHILD_TIMEOUT + 1)  # peers heartbeat every link: one silent this long is gone or hostile
     assert set(node.children) == {b"live"} and not node.serve.attached(b"idle")
+
+
+def test_a_partners_bad_messages_are_dropped_whole_and_the_next_one_is_read_from_its_header(node):
+    # the loop reads a partner's message frame by frame (``first.more``): a bad one is dropped with all
+    # its frames, so whatever follows is read from its own header, never from a leftover frame
+    from p2pweights.swarm.handlers import Handlers
+    from p2pweights.wire import protocol
+    from p2pweights.wire.protocol import Msg
+
+    fake = node.ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    try:
+        port = fake.bind_to_random_port("tcp://127.0.0.1")
+        handlers = Handlers(node)
+        node.partners.open(0, f"127.0.0.1:{port}")
+        link = node.partners.links[0]
+        assert fake.poll(5000)
+        ident = fake.recv_multipart()[0]  # its ATTACH
+
+        def deliver(*frames: bytes) -> None:
+            fake.send_multipart([ident, *frames])
+            assert link.socket.poll(5000)
+            handlers.dispatch(link.socket)
+
+        deliver(protocol.control(Msg.ATTACHED, n_chunks=2), protocol.pack_bits(b"\x01\x00"))
+        assert node.pull.links[0].holds == 0b01 and node.stats.malformed == 0
+        deliver(protocol.chunk_header(0))  # no payload frame
+        deliver(protocol.chunk_header(7), b"x" * 4096, protocol.chunk_header(1), b"y" * 4096)  # not asked, 2 extra
+        deliver(protocol.control(Msg.ATTACHED, n_chunks=2), b"\x00", b"more")  # not in this state, a frame extra
+        assert node.stats.malformed == 3 and node.stats.chunks_received == 0
+        deliver(protocol.chunk_list(Msg.HAVE, [1]))
+        assert node.pull.links[0].holds == 0b11 and node.stats.malformed == 3
+    finally:
+        fake.close(0)

@@ -246,6 +246,7 @@ class Store:
             raise ValueError(f"buffer of {len(self.view)} bytes cannot hold a {manifest.total_size}-byte blob")
         self.have = bytearray(manifest.n_chunks)  # 1 where chunk i is verified
         self.count = 0
+        self.n_chunks = manifest.n_chunks
         self.bytes = 0
         self.cond = threading.Condition()
         self.watched: dict[int, int] = {}  # chunk (or ANY_CHUNK) -> threads to wake when it is verified
@@ -334,7 +335,7 @@ class Store:
 
     @property
     def complete(self) -> bool:
-        return self.count == self.manifest.n_chunks
+        return self.count == self.n_chunks
 
     def missing(self):
         """Indices of chunks not yet verified, in order."""

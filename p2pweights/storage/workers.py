@@ -130,12 +130,9 @@ class ChunkWorkers:
     def take(self) -> list[Job]:
         """Jobs checked since the last call, in the order they were done (the loop's thread)."""
         self.woken = False  # before draining: a job done after this sends a wake of its own
-        out = []
-        try:
-            while True:
-                out.append(self.done.get_nowait())
-        except queue.Empty:
-            pass
+        out, done = [], self.done
+        while not done.empty():  # the loop alone takes: not empty, so the get finds one
+            out.append(done.get_nowait())
         self.in_flight -= len(out)
         return out
 

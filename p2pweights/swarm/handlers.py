@@ -19,7 +19,7 @@ from ..wire.protocol import MAX_NAME, SERVER_TRANSITIONS, Connection, Msg, Proto
 from .admission import NOT_PLACED, attach_refusal, placed_refusal
 from .intake import MAX_BAD_FROM_PARENT  # noqa: F401  (part of the node's limits)
 from .originread import landed
-from .pulled import NOBLOCK, RCVMORE, PartnerHandlers
+from .pulled import NOBLOCK, PartnerHandlers, rest_of
 
 log = logging.getLogger("p2pw")
 
@@ -27,9 +27,6 @@ MAX_BAD_MESSAGES = 32  # malformed messages before a connection is ignored
 DRAIN = 64  # messages taken from one socket per poll
 DRAIN_SECONDS = 0.02  # and at most this long, so timers (heartbeats) keep their pace under load
 READY = struct.Struct("<I?")  # read-ahead -> loop: chunk index, matched the manifest
-# pyzmq's constants are enums; as ints they cost no enum arithmetic on every message and frame (the node's
-# sends use NOBLOCK too: pyzmq ORs SNDMORE into the flags per frame)
-EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Handlers:
@@ -54,19 +51,24 @@ class Handlers:
                 if watched is not None:  # a partner's connection event
                     n.partners.dropped(watched)
                 return  # else: closed earlier in this poll
-            handler = lambda s, owned=owned: self.pulled.on_link(*owned)  # noqa: E731
+            link, lane = owned
+            handler = lambda s, first: self.pulled.on_link(link, lane, first)  # noqa: E731
         deadline = n.clock() + DRAIN_SECONDS
         for _ in range(DRAIN):
-            if sock.closed or not sock.getsockopt(EVENTS) & POLLIN:  # a handler may close it (partner given up)
+            if sock.closed:  # a handler may close it (partner given up)
                 return
-            handler(sock)
+            try:  # the message's first frame; the handler reads the rest (``first.more``)
+                first = sock.recv(NOBLOCK, copy=False)
+            except zmq.Again:  # drained (one exception a drain costs less than asking EVENTS a message)
+                return
+            handler(sock, first)
             if n.clock() > deadline:
                 return
 
     # ----- inbox: other threads ------------------------------------------
 
-    def on_inbox(self, sock) -> None:
-        verb, body = sock.recv_multipart()
+    def on_inbox(self, sock, first) -> None:
+        verb, body = first.bytes, b"".join(f.bytes for f in rest_of(sock, first))
         n = self.node
         if verb == b"ready":
             index, ok = READY.unpack(body)
@@ -91,19 +93,12 @@ class Handlers:
             n.leave_when_done = n.leave_when_done or verb == b"leave"
             n.next_timers = 0.0
 
-    @staticmethod
-    def _rest_bytes(sock) -> list:
-        rest = []
-        while sock.getsockopt(RCVMORE):
-            rest.append(sock.recv())
-        return rest
-
     # ----- tracker link (peers only) ---------------------------------------
 
-    def on_tracker(self, sock) -> None:
+    def on_tracker(self, sock, first) -> None:
         n = self.node
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
+            frames = [first.bytes, *(f.bytes for f in rest_of(sock, first))]
             event = n.member.conn.receive(protocol.decode(frames))
         except ProtocolError as e:
             n.stats.malformed += 1
@@ -142,12 +137,12 @@ class Handlers:
 
     # ----- router: partners, joiners, members ------------------------------
 
-    def on_router(self, sock) -> None:
+    def on_router(self, sock, first) -> None:
         n = self.node
-        ident = sock.recv(NOBLOCK)
+        ident = first.bytes
         conn = n.conns.get(ident)
-        first = sock.recv(NOBLOCK, copy=conn is not None)  # a new connection's frame says where it is from
-        frames = [first if conn is not None else first.bytes, *self._rest_bytes(sock)]
+        first = sock.recv(NOBLOCK, copy=False)  # a new connection's frame says where it is from
+        frames = [first.bytes, *(f.bytes for f in rest_of(sock, first))]
         n.seen[ident] = n.clock()
         if n.bad.get(ident, 0) >= MAX_BAD_MESSAGES:
             return

@@ -90,6 +90,7 @@ class Stats:
         self.reparented = self.resumed = self.switches = 0
         self.origin_chunks = 0  # chunks this node read from the origin and served (an origin reader)
         self.lane_chunks = [0] * (MAX_LANE + 1)  # chunks received by lane number (0: partners' links)
+        self.loop_passes = 0  # the loop's polls, each one pass over what is ready (a wake, unless it was busy)
         self.arrivals: list | None = None
 
     @property
@@ -223,6 +224,7 @@ class Node:
         try:
             while not self.stop_event.is_set():
                 busy = self.serve.pending()
+                self.stats.loop_passes += 1
                 for sock, _ in self.poller.poll(1 if busy else 50):
                     handlers.dispatch(sock)
                 self._flush()

@@ -18,7 +18,7 @@ from .admission import NOT_PLACED
 
 log = logging.getLogger("p2pw")
 
-NOBLOCK, RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)  # plain ints: no enum arithmetic per frame
+NOBLOCK = int(zmq.NOBLOCK)  # a plain int: no enum arithmetic per frame (pyzmq ORs SNDMORE into sends' flags)
 
 
 class PartnerHandlers:
@@ -27,37 +27,33 @@ class PartnerHandlers:
     def __init__(self, node):
         self.node = node
 
-    def on_link(self, link, lane=None) -> None:
-        """A message from a partner we pull from, on its link or on one of its lanes (``lane``)."""
+    def on_link(self, link, lane, first) -> None:
+        """A message from a partner we pull from, on its link or on one of its lanes (``lane``, else None),
+        ``first`` its first frame (the header)."""
         n = self.node
         sock, conn = (link.socket, link.conn) if lane is None else (lane.socket, lane.conn)
         link.last_heard = n.clock()
+        last = first  # the last frame read of this message: its ``more`` says whether frames are left
         try:
-            event = protocol.decode_header(sock.recv(NOBLOCK))
+            event = protocol.decode_header(first.bytes)
             if event.type == Msg.CHUNK:
-                if not sock.getsockopt(RCVMORE):
+                if not first.more:
                     raise ProtocolError("CHUNK without its payload frame")
                 conn.receive(event)
                 self.on_chunk(link, event.indices[0], sock, 0 if lane is None else lane.number)
                 return
-            frames = [event, *self._rest(sock)]
+            rest = rest_of(sock, first)
+            last = rest[-1] if rest else first
             conn.receive(event)
             if lane is None:
-                self.on_link_control(link, event, frames[1:])
+                self.on_link_control(link, event, rest)
             else:
                 self.on_lane_control(link, lane, event)
         except ProtocolError as e:
-            discard_rest(sock)
+            discard_after(sock, last)
             n.stats.malformed += 1
             log.warning("partner rank %d (%s) sent a bad message%s: %s", link.rank, link.addr,
                         "" if lane is None else f" on lane {lane.number}", e)
-
-    @staticmethod
-    def _rest(sock) -> list:
-        rest = []
-        while sock.getsockopt(RCVMORE):
-            rest.append(sock.recv(copy=False))
-        return rest
 
     def on_link_control(self, link, event, payload: list) -> None:
         n = self.node
@@ -97,11 +93,14 @@ class PartnerHandlers:
             self.node.partners.close_lane(link, lane)
 
     def on_chunk(self, link, index: int, sock, lane: int = 0) -> None:
-        """A chunk arrived on ``sock`` (``link``'s own connection, or its lane number ``lane``): hand it to the
-        intake (verified there, and only then written and published), or drop it if we did not ask for it."""
+        """A chunk arrived on ``sock`` (``link``'s own connection, or its lane number ``lane``), its payload the
+        next frame: hand it to the intake (verified there, and only then written and published), or drop it if
+        we did not ask for it."""
         n = self.node
+        frame = sock.recv(NOBLOCK, copy=False)  # ZeroMQ's buffer: the workers verify and copy from it
+        if frame.more:
+            discard_after(sock, frame)
         if index >= n.manifest.n_chunks or not n.pull.expects(link.rank, index):
-            discard_rest(sock)
             if index < n.manifest.n_chunks and n.store.has(index):  # an endgame loser, a stall re-request
                 n.stats.duplicates += 1
             else:
@@ -109,8 +108,6 @@ class PartnerHandlers:
                 log.warning("partner rank %d sent chunk %d, which we did not ask it for: dropped", link.rank, index)
             return
         link.last_chunk = n.clock()
-        frame = sock.recv(NOBLOCK, copy=False)  # ZeroMQ's buffer: the workers verify and copy from it
-        discard_rest(sock)
         n.stats.chunks_received += 1
         n.stats.bytes_received += len(frame)
         n.stats.lane_chunks[lane] += 1
@@ -119,7 +116,16 @@ class PartnerHandlers:
         n.intake.arrived(link.rank, index, frame)
 
 
-def discard_rest(sock) -> None:
-    """Drop the frames left of the message being read from ``sock``."""
-    while sock.getsockopt(RCVMORE):
-        sock.recv_into(bytearray())
+def rest_of(sock, frame) -> list:
+    """The frames after ``frame`` of the message being read from ``sock`` (ZeroMQ frames, no copy)."""
+    rest = []
+    while frame.more:
+        frame = sock.recv(NOBLOCK, copy=False)
+        rest.append(frame)
+    return rest
+
+
+def discard_after(sock, frame) -> None:
+    """Drop the frames after ``frame`` of the message being read from ``sock``."""
+    while frame.more:
+        frame = sock.recv(NOBLOCK, copy=False)
