@@ -4,6 +4,7 @@ into tmpfs."""
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,68 @@ def test_joins_into_tmpfs_forwarding_to_each_other_write_exact_copies_and_report
 
 def test_memory_backed_tells_tmpfs_from_other_filesystems(shm):
     assert memory_backed(str(shm)) and memory_backed(str(shm / "not" / "made")) and not memory_backed("/proc")
+
+
+def test_a_copy_in_memory_allocates_its_pages_as_the_bytes_arrive_one_on_disk_up_front(tmp_path, shm):
+    # on tmpfs, allocating is clearing every page on the thread that starts the join, before the first byte
+    # is asked for; a write into a hole takes the page it fills instead (the space is still checked up front)
+    from p2pweights.sources.chunker import build
+    from p2pweights.storage.cache import DiskCache
+
+    src = tmp_path / "model"
+    write_synthetic_model(src, size_mb=2, shards=1)
+    m = build(src, chunk_size=64 << 10)[0]
+    for out, allocated in ((shm / "copy", False), (tmp_path / "copy", True)):
+        cache = DiskCache(m, str(out))
+        try:
+            blocks = sum(os.stat(path + ".partial").st_blocks * 512 for path in cache.paths)
+            assert (blocks >= m.total_size - 4096 * len(m.files)) == allocated, (out, blocks, m.total_size)
+        finally:
+            cache.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs mounted for this test (root only), unmounted afterwards."""
+    import subprocess
+
+    path = tmp_path / "small"
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "p2pw-test", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_tmpfs_filled_by_someone_else_mid_join_ends_it_with_one_error_and_no_unverified_file(procs, tmp_path,
+                                                                                          small_tmpfs):
+    # nothing reserves the pages of a copy in memory: when another writer takes them first, the join
+    # says so once and exits 1, and only files that verified whole reach their final names
+    src = tmp_path / "model"
+    write_synthetic_model(src, size_mb=3, shards=1)
+    seeder, info = procs.seeder(src, "--chunk-size", CHUNK, env={"P2PW_FAULTS": "delay_send=20"})
+    out = small_tmpfs / "copy"
+    peer = procs.join(info["port"], out, "--model-id", info["model_id"])
+    deadline = time.monotonic() + 30
+    while not any(p.stat().st_blocks for p in out.rglob("*.partial")):  # its first chunks are written
+        assert time.monotonic() < deadline and peer.popen.poll() is None, peer.output()
+        time.sleep(0.02)
+    with open(small_tmpfs / "filler", "wb") as f:  # another pod's writer takes what is left
+        try:
+            while True:
+                f.write(b"\0" * (64 << 10))
+                f.flush()
+        except OSError:
+            pass
+    assert peer.wait(60) == 1, peer.output()
+    errors = [line for line in peer.output().splitlines() if line.startswith("p2pw: error:")]
+    assert len(errors) == 1 and "No space left on device" in errors[0], peer.output()
+    assert "Traceback" not in peer.output()
+    finals = {p.relative_to(out) for p in out.rglob("*")
+              if p.is_file() and ".p2pw" not in p.parts and not p.name.endswith(".partial")}
+    assert not any(p.suffix == ".safetensors" for p in finals), finals  # the shard never verified whole
+    for p in finals:  # small files that verified before the space ran out: exact
+        assert (out / p).read_bytes() == (src / p).read_bytes(), p
