@@ -169,6 +169,17 @@ def test_an_honest_join_needs_two_connections_at_its_parent(procs, tmp_path, mod
     assert peer.wait(90) == 0, peer.output()  # its tracker link and its one chunk link
 
 
+def test_a_join_that_ends_frees_its_places_under_the_cap_at_once(procs, tmp_path, model):
+    # each join says BYE on its tracker link and its chunk links as it exits, so a host that joins again
+    # and again (an agent, a restarted pod, pods behind one NAT address) is never locked out by its own past
+    seeder, info = procs.seeder(model, "--chunk-size", CHUNK, "--max-conns-per-host", 2)
+    for k in range(4):
+        peer = procs.join(info["port"], tmp_path / f"out{k}")
+        assert peer.wait(90) == 0, peer.output()
+        assert (tmp_path / f"out{k}" / model.name).read_bytes() == model.read_bytes()
+    assert seeder.popen.poll() is None
+
+
 def test_only_a_ticket_the_tracker_gave_admits_an_attach(model):
     with seed(model, host="127.0.0.1", port=0, chunk_size=CHUNK) as s:
         stranger = Stranger(s.port)

@@ -175,11 +175,13 @@ class TrackerEndpoint:
                    else protocol.control(Msg.LEAVE_OK))
         self._announce()
 
-    def bye(self, ident: bytes, f: dict | None = None) -> None:
-        """The member left now (BYE), or its connection is gone."""
+    def bye(self, ident: bytes, f: dict | None = None) -> bool:
+        """The member left now (BYE: its connection holds nothing here any more, False), or its connection is
+        gone."""
         rank = self._unbind(ident)
         if rank is not None:
             self._gone(rank, "left" if f is not None else "disconnected")
+        return False
 
     def orphan(self, ident: bytes, f: dict) -> None:
         rank = self.members.get(ident)

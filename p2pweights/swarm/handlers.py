@@ -181,6 +181,9 @@ class Handlers:
                 n.pull.awaited(absent)
         elif kind == Msg.CANCEL:
             n.serve.cancel(ident, event.indices)
+        elif kind == Msg.BYE and (ident in n.children or n.lanes.is_lane(ident)):  # a child (or its lane) is done
+            n.forget(ident)  # with us: nothing more to send it, and its places under its address's cap are free
+            n.drop_conn(ident)
         elif kind in (Msg.HELLO, Msg.STATUS) and n.endpoint is None:
             n._send(ident, protocol.control(Msg.REDIRECT, tracker=n.tracker_addr))
             n.drop_conn(ident)  # sent on: it holds no state here (nor a place under its address's cap)

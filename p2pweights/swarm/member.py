@@ -15,7 +15,7 @@ import struct
 import zmq
 
 from ..wire import protocol
-from .partners import send_nowait
+from .partners import BYE_LINGER_MS, send_nowait
 from ..wire.protocol import CLIENT_TRANSITIONS, Connection, Msg
 from .uplink import probe_in_background, split_host_port
 
@@ -217,14 +217,14 @@ class Membership:
                                    have=self.node.store.count, secret=self.node.secret))
 
     def close(self) -> None:
-        """Tell the tracker we are gone (unless it let us leave), so no joiner is sent to us."""
-        if not self.node.left.is_set():
-            try:
-                self.post(protocol.control(Msg.BYE, rank=self.node.rank))
-                self.socket.setsockopt(zmq.LINGER, 500)
-            except zmq.ZMQError:
-                pass
-        self.socket.close(0)
+        """Tell the tracker we are gone, so no joiner is sent to us; also once it let us leave: our connection
+        then holds no place under our address's cap there (the context's end waits for it, a little)."""
+        sent = False
+        try:
+            sent = self.post(protocol.control(Msg.BYE, rank=self.node.rank))
+        except zmq.ZMQError:
+            pass
+        self.socket.close(BYE_LINGER_MS if sent else 0)
 
 
 def _probe_asked(asked) -> tuple[int, int] | None:

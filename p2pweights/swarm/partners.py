@@ -26,6 +26,7 @@ from .serve import MAX_PARKED
 
 log = logging.getLogger("p2pw")
 
+BYE_LINGER_MS = 200  # a socket closed after a BYE keeps it this long at most, to send it (the context's end waits)
 SILENT_PATIENCE = 6  # parent timeouts a partner with our requests queued may stay silent before it is given up
 
 
@@ -189,16 +190,19 @@ class Partners:
             link.lanes.remove(lane)
             self._close_socket(lane.socket)
 
-    def _close_socket(self, sock: zmq.Socket) -> None:
+    def _close_socket(self, sock: zmq.Socket, linger: int = 0) -> None:
         self.owner.pop(sock, None)
         self.node.poller.unregister(sock)
-        sock.close(0)
+        sock.close(linger)
 
     def close(self, rank: int) -> None:
-        """Close the link to ``rank`` and its lanes; its outstanding requests are free to ask elsewhere."""
+        """Close the link to ``rank`` and its lanes; its outstanding requests are free to ask elsewhere.  An
+        attached partner hears BYE on the link: it forgets us and our lanes at once, and our places under
+        its cap on connections from one address are free (else only once it finds us silent)."""
         n = self.node
         link = self.links.pop(rank, None)
         if link is not None:
+            bye = link.conn.state == "attached" and send_nowait(link.socket, protocol.control(Msg.BYE, rank=n.rank))
             for lane in link.lanes:
                 self._close_socket(lane.socket)
             if link.monitor is not None:
@@ -208,7 +212,7 @@ class Partners:
                 except zmq.ZMQError:
                     pass
                 link.monitor.close(0)
-            self._close_socket(link.socket)
+            self._close_socket(link.socket, BYE_LINGER_MS if bye else 0)
         n.pull.drop(rank)
 
     def refused(self, rank: int) -> None:

@@ -385,7 +385,9 @@ SERVER_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("child", Msg.HEARTBEAT): "child",
     ("child", Msg.ATTACH): "child",
     ("child", Msg.CANCEL): "child",
+    ("child", Msg.BYE): "new",  # it is done with us: its state here goes (``Handlers.on_served``)
     ("lane", Msg.HEARTBEAT): "lane",  # a lane carries chunks to the peer; it asks for nothing on one
+    ("lane", Msg.BYE): "new",
 }
 
 # What a peer accepts from its tracker and from a parent, by state.
