@@ -139,17 +139,19 @@ class Handlers:
 
     def on_router(self, sock, first) -> None:
         n = self.node
+        if not first.more:  # the ROUTER's identity frame and nothing after it: not a message
+            return
         ident = first.bytes
         conn = n.conns.get(ident)
-        first = sock.recv(NOBLOCK, copy=False)  # a new connection's frame says where it is from
-        frames = [first.bytes, *(f.bytes for f in rest_of(sock, first))]
+        head = sock.recv(NOBLOCK, copy=False)  # the message's first frame: a new connection's says where it is from
+        frames = [head.bytes, *(f.bytes for f in rest_of(sock, head))]
         n.seen[ident] = n.clock()
         if n.bad.get(ident, 0) >= MAX_BAD_MESSAGES:
             return
         if conn is None:
-            if not n.admission.admit(ident, _peer_address(first)):
+            if not n.admission.admit(ident, _peer_address(head)):
                 n._send(ident, protocol.control(Msg.ERROR, fatal=True, message=(
-                    f"too many connections from {_peer_address(first)} (at most {n.admission.max_per_host})")))
+                    f"too many connections from {_peer_address(head)} (at most {n.admission.max_per_host})")))
                 return
             conn = n.conns[ident] = Connection(SERVER_TRANSITIONS, "new")
         try:
