@@ -35,6 +35,44 @@ def env():
     shutil.rmtree(rpc, ignore_errors=True)
 
 
+SHM = Path("/dev/shm")
+SHM_LEFT = ("psm_", "sem.mp-")  # multiprocessing's shared memory and semaphores, which vLLM's processes make
+
+
+def shm_names() -> set[str]:
+    return {n for n in os.listdir(SHM) if n.startswith(SHM_LEFT)} if SHM.is_dir() else set()
+
+
+def mapped(names: set[str]) -> set[str]:
+    """Those of ``names`` (in /dev/shm) that some process still maps."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")) if names else ():
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                found.update(n for line in f if "/dev/shm/" in line
+                             for n in [line.rstrip("\n").rsplit("/", 1)[-1].removesuffix(" (deleted)")] if n in names)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_memory_removed():
+    """vLLM's processes, killed, leave their shared-memory segments in /dev/shm (hundreds of MB each): remove
+    those that appeared during these tests, once no process maps them (an engine core may end a moment after
+    the group it was started in)."""
+    before = shm_names()
+    yield
+    deadline = time.monotonic() + 30
+    while (left := shm_names() - before) and mapped(left) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for name in left - mapped(left):
+        try:
+            (SHM / name).unlink()
+        except OSError:
+            pass
+
+
 def start(argv, env, pipe: bool = False) -> subprocess.Popen:
     """A process in a group of its own (vLLM starts an engine core and workers under it); its output goes to
     a file (``p.log``), or a pipe with ``pipe``: an engine core outliving the engine must not hold a pipe open."""
