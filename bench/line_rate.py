@@ -315,6 +315,8 @@ def p2pw_run(mode: str, src: str, dests: list[str], chunk: int, pin, sampler, tm
         procs_cpu[f"join{k}"] = doc.get("threads") or roles(sampler.seen[p.pid], p.pid)
     return {"seconds": secs, "cpu": procs_cpu, "ring": [d.get("ring") for d in docs],
             "loop_us_per_chunk": [d.get("loop_us_per_chunk") for d in docs],
+            "loop_passes_per_chunk": [d["loop_passes"] / d["received"] for d in docs
+                                      if d.get("loop_passes") is not None and d.get("received")],
             "zmq_io_each": [d.get("zmq_io_each") for d in docs], "lane_chunks": [d.get("lane_chunks") for d in docs]}
 
 
@@ -405,6 +407,7 @@ def summarise(case: dict, total: int, cores: int | None = None) -> list[str]:
     lines = [f"| {'' if cores is None else f'{cores} | '}{case['size']} | {case['where']} | {case['mode']} | {spread(ps)} | {spread(rs)} | "
              f"{spread(ratios)} | {total / statistics.median(ps) / 1e9:.2f} | {total / statistics.median(rs) / 1e9:.2f} |"]
     loops = [u for x in p for u in x["loop_us_per_chunk"] if u is not None]
+    passes = [u for x in p for u in x.get("loop_passes_per_chunk", ())]
     rings = [g for x in p for g in x.get("ring", []) if g]
     served = (f"; chunks served from ring slots {sum(g['sent_from_slots'] for g in rings)}, from the files "
               f"{sum(g['sent_from_files'] for g in rings)} (read back into slots "
@@ -415,7 +418,8 @@ def summarise(case: dict, total: int, cores: int | None = None) -> list[str]:
     lanes = [sum(1 for c in lc if c) for x in p for lc in x.get("lane_chunks") or () if lc]
     lines.append("    CPU s/GB by thread: " + "; ".join(
         f"{proc}: " + ", ".join(f"{k} {v}" for k, v in sorted(rs.items(), key=lambda kv: -float(kv[1])))
-        for proc, rs in cpu.items()) + (f"; loop µs/chunk {spread(loops, '{:.0f}')}" if loops else "") + served
+        for proc, rs in cpu.items()) + (f"; loop µs/chunk {spread(loops, '{:.0f}')}" if loops else "")
+        + (f", loop passes per chunk {spread(passes, '{:.2f}')}" if passes else "") + served
         + (f"; a join's busiest zmq_io thread {spread(io, '{:.3f}')} CPU s/GB, lanes that carried chunks "
            f"{max(lanes)}" if io and lanes else ""))
     return lines

@@ -20,3 +20,4 @@ def test_one_small_run_per_shape_and_k_prints_a_row_each(tmp_path):
     assert [ln.split(" | ")[:4] for ln in rows] == [["| 1", "24MiB", "disk", "hop"], ["| 1", "24MiB", "disk", "relay"],
                                                    ["| 2", "24MiB", "disk", "hop"], ["| 2", "24MiB", "disk", "relay"]]
     assert "lanes that carried chunks 2" in r.stdout  # the joins pulled over both lanes
+    assert r.stdout.count("loop passes per chunk") == 4  # how often each row's loops woke
