@@ -147,7 +147,7 @@ def test_memory_backed_tells_tmpfs_from_other_filesystems(shm):
     assert memory_backed(str(shm)) and memory_backed(str(shm / "not" / "made")) and not memory_backed("/proc")
 
 
-def test_a_copy_in_memory_allocates_its_pages_as_the_bytes_arrive_one_on_disk_up_front(tmp_path, shm):
+def test_a_copy_in_memory_allocates_its_pages_as_the_bytes_arrive_one_on_disk_or_resumed_up_front(tmp_path, shm):
     # on tmpfs, allocating is clearing every page on the thread that starts the join, before the first byte
     # is asked for; a write into a hole takes the page it fills instead (the space is still checked up front)
     from p2pweights.sources.chunker import build
@@ -156,9 +156,9 @@ def test_a_copy_in_memory_allocates_its_pages_as_the_bytes_arrive_one_on_disk_up
     src = tmp_path / "model"
     write_synthetic_model(src, size_mb=2, shards=1)
     m = build(src, chunk_size=64 << 10)[0]
-    for out, allocated in ((shm / "copy", False), (tmp_path / "copy", True)):
-        cache = DiskCache(m, str(out))
-        try:
+    for out, allocated in ((shm / "copy", False), (tmp_path / "copy", True), (shm / "copy", True)):
+        cache = DiskCache(m, str(out))  # the second time into shm / "copy": a resume, which reads every chunk
+        try:  # through the mapping (``recover``), where a page that cannot be had is a SIGBUS: allocated first
             blocks = sum(os.stat(path + ".partial").st_blocks * 512 for path in cache.paths)
             assert (blocks >= m.total_size - 4096 * len(m.files)) == allocated, (out, blocks, m.total_size)
         finally:
