@@ -49,8 +49,10 @@ def mapped(names: set[str]) -> set[str]:
     for pid in filter(str.isdigit, os.listdir("/proc")) if names else ():
         try:
             with open(f"/proc/{pid}/maps") as f:
-                found.update(n for line in f if "/dev/shm/" in line
-                             for n in [line.rstrip("\n").rsplit("/", 1)[-1].removesuffix(" (deleted)")] if n in names)
+                for line in f:
+                    name = line.rstrip("\n").rsplit("/", 1)[-1].removesuffix(" (deleted)")
+                    if "/dev/shm/" in line and name in names:
+                        found.add(name)
         except OSError:
             pass
     return found

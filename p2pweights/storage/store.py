@@ -374,7 +374,7 @@ class Store:
         """Every chunk is already in the buffer and verified (a seeder that hashed it while reading)."""
         with self.cond:
             self.have[:] = b"\x01" * self.manifest.n_chunks
-            self.count = self.manifest.n_chunks
+            self.count = self.n_chunks
             self.bytes = self.manifest.total_size
             self.first_at = self.done_at = time.monotonic()
             self.cond.notify_all()

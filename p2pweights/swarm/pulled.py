@@ -127,5 +127,4 @@ def rest_of(sock, frame) -> list:
 
 def discard_after(sock, frame) -> None:
     """Drop the frames after ``frame`` of the message being read from ``sock``."""
-    while frame.more:
-        frame = sock.recv(NOBLOCK, copy=False)
+    rest_of(sock, frame)
