@@ -735,7 +735,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     cache and cache.thread and _name_thread(cache.thread.native_id, "p2pw-finish")
     dl = Download(node, store, cache, welcome, started, hello["listen"])
     dl.loader, dl.gate, dl.path, dl.lock, dl.model_cache = loader, gate, target, lock, model_cache
-    dl.finishing = [lambda: _finished(dl, layout)]
+    dl.finishing = [lambda: _finished(dl, layout, origin.url if origin is not None else None)]
     return dl
 
 
@@ -874,10 +874,11 @@ def _place(manifest, out, cache, hf_cache):
     return (known[1] if known else cache.copy_dir(manifest.model_id)), None, "files"
 
 
-def _finished(dl: Download, layout: str) -> None:
-    """The copy is complete: publish the HF snapshot (symlinks, then the ref); tell the cache it was used."""
+def _finished(dl: Download, layout: str, url: str | None = None) -> None:
+    """The copy is complete: publish the HF snapshot (blobs, symlinks, then the ref of the revision ``url`` asked
+    for); tell the cache it was used."""
     if layout == "hf":
-        dl.snapshot = hfcache.publish(dl.manifest, dl.path)
+        dl.snapshot = hfcache.publish(dl.manifest, dl.path, hfcache.asked_revision(url, dl.manifest.origin["repo"]))
     if dl.lock is not None:
         dl.lock.share()
     if dl.model_cache is not None and dl.path is not None:
