@@ -115,3 +115,47 @@ def test_publishing_again_keeps_a_blob_of_the_same_bytes_and_replaces_a_planted_
     assert hfcache.place_blob(str(root), str(store), name) == f"blobs/{name}"
     assert not (root / "blobs" / name).is_symlink() and (root / "blobs" / name).read_bytes() == data
     assert outside.read_bytes() == b"\4" * 5000
+
+
+# ----- the .p2pw state folder: no link followed out of --out --------------------------------------------------
+
+
+@pytest.mark.parametrize("planted", [".p2pw", ".p2pw/lock"])
+def test_a_planted_state_symlink_in_out_is_one_error_and_nothing_outside_is_touched(procs, tmp_path, model_dir,
+                                                                                      planted):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "chunks-precious").write_bytes(b"keep me")
+    (outside / "complete.json").write_text("{}")
+    before = tree(outside)
+    out = tmp_path / "out"
+    out.mkdir()
+    if planted == ".p2pw":
+        os.symlink(outside, out / ".p2pw")
+    else:
+        (out / ".p2pw").mkdir()
+        os.symlink(outside / "lock", out / ".p2pw" / "lock")
+    _, info = procs.seeder(model_dir, "--chunk-size", "64KiB")
+    r = run("join", "--parent", f"127.0.0.1:{info['port']}", "--host", "127.0.0.1", "-q", "--out", out,
+            "--connect-timeout", "20", timeout=90)
+    assert r.returncode == 1, r.stderr
+    assert_one_line_error(r, "symlink")
+    assert tree(outside) == before  # nothing written, made or deleted there
+    assert same_tree(model_dir, out) != []  # and no copy was made
+
+
+def test_a_copy_in_a_real_state_folder_still_completes_and_replaces_linked_state_files(procs, tmp_path, model_dir):
+    """A link planted for a state file written by rename (the marker) is replaced, not written through."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "marker").write_text("mine")
+    out = tmp_path / "out"
+    (out / ".p2pw").mkdir(parents=True)
+    os.symlink(outside / "marker", out / ".p2pw" / "complete.json")
+    _, info = procs.seeder(model_dir, "--chunk-size", "64KiB")
+    r = run("join", "--parent", f"127.0.0.1:{info['port']}", "--host", "127.0.0.1", "-q", "--out", out,
+            "--connect-timeout", "20", timeout=90)
+    assert r.returncode == 0, r.stderr
+    assert same_tree(model_dir, out) == [] and (outside / "marker").read_text() == "mine"
+    assert not (out / ".p2pw" / "complete.json").is_symlink()
+    assert json.loads((out / ".p2pw" / "complete.json").read_text())["model_id"] == info["model_id"]

@@ -50,7 +50,7 @@ import time
 from ..errors import UserError
 from ..sources.manifest import chunk_hasher
 from ..sources.validate import STATE_DIR  # what p2pw keeps about a copy; a seeder never serves it
-from .paths import PathError, inside
+from .paths import PathError, StateDir, inside, read_state
 from .readback import DIRECT_ALIGN, ChunkReads
 from .store import FileMap, check_space
 
@@ -133,11 +133,11 @@ def fsync_dir(path: str) -> None:
 
 def read_marker(out: str) -> dict | None:
     """The completion marker of the copy under ``out``, or None."""
+    data = read_state(out, MARKER)
     try:
-        with open(os.path.join(out, STATE_DIR, MARKER)) as f:
-            doc = json.load(f)
+        doc = json.loads(data) if data is not None else None
         return doc if isinstance(doc, dict) else None
-    except (OSError, ValueError):
+    except ValueError:
         return None
 
 
@@ -363,7 +363,8 @@ class DiskCache:
             else:
                 needed += f["size"]
         check_space(self.out, needed, f"model {self.manifest.model_id[:16]}")
-        self._remove(os.path.join(self.out, STATE_DIR, MARKER))  # a new join into out starts
+        with StateDir(self.out) as d:  # a new join into out starts (a linked .p2pw/: refused, nothing written)
+            d.remove(MARKER)
         created = []
         try:
             for i, path in enumerate(self.paths):
@@ -491,8 +492,8 @@ class DiskCache:
                     last_progress = now
                     self._progress()
             self._write_marker()
-        except OSError as e:
-            self.error = f"finishing the local copy under {self.out} failed: {e.strerror or e}"
+        except (OSError, PathError) as e:
+            self.error = f"finishing the local copy under {self.out} failed: {getattr(e, 'strerror', None) or e}"
             if self.on_error:
                 self.on_error(self.error)
             return
@@ -536,25 +537,21 @@ class DiskCache:
             self.final[i] = True
             fsync_dir(os.path.dirname(self.paths[i]))
 
-    def _state_dir(self) -> str:
-        d = os.path.join(self.out, STATE_DIR)
-        os.makedirs(d, exist_ok=True)
-        return d
-
     def _progress(self) -> None:
         m = self.manifest
-        write_atomically(os.path.join(self._state_dir(), PROGRESS), {
-            "model_id": m.model_id, "bytes": self.bytes_done, "total": m.total_size, "chunks": self.chunks_done,
-            "n_chunks": m.n_chunks, "files_final": sum(self.final), "files": len(m.files)}, durable=False)
+        with StateDir(self.out) as d:
+            d.write(PROGRESS, json.dumps({
+                "model_id": m.model_id, "bytes": self.bytes_done, "total": m.total_size, "chunks": self.chunks_done,
+                "n_chunks": m.n_chunks, "files_final": sum(self.final), "files": len(m.files)}, indent=1))
 
     def _write_marker(self) -> None:
         m = self.manifest
         files = [{"name": f["name"], "size": f["size"], "mtime_ns": os.stat(p).st_mtime_ns}
                  for f, p in zip(m.files, self.paths)]
-        d = self._state_dir()
-        write_atomically(os.path.join(d, MARKER), {
-            "model_id": m.model_id, "files": files, "bytes": sum(f["size"] for f in m.files), "time": time.time()})
-        self._remove(os.path.join(d, PROGRESS))
+        with StateDir(self.out) as d:
+            d.write(MARKER, json.dumps({"model_id": m.model_id, "files": files, "bytes": sum(f["size"] for f in m.files),
+                                        "time": time.time()}, indent=1), durable=True)
+            d.remove(PROGRESS)
 
     def close(self, reads: bool = True) -> None:
         """Stop the finisher (if running) and close the files (``reads``: those open for reading back too); the

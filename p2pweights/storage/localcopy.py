@@ -36,8 +36,8 @@ import time
 
 from ..errors import P2PError
 from ..sources.manifest import Manifest, ManifestError
-from .cache import PARTIAL, STATE_DIR, copy_paths, marker_matches, read_marker, remove_tree, write_atomically, \
-    write_text_atomically
+from .cache import PARTIAL, STATE_DIR, copy_paths, marker_matches, read_marker, remove_tree
+from .paths import StateDir, read_state
 from .store import FileMap, Store, StoreClosed
 
 log = logging.getLogger("p2pw")
@@ -92,17 +92,31 @@ class CopyClaim:
             self.fd = None
 
 
-def _open_lock(copy: str) -> tuple[int, str]:
-    d = _state(copy)
-    if not os.path.isdir(d):
-        os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, LOCK)
+def _open_lock(copy: str) -> tuple[int, int | None]:
+    """An fd of the copy's lock (made if missing), and its inode as named now (``StateDir``: no link followed)."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), path
+        d = StateDir(copy)
     except OSError as e:  # a read-only mount of the copy (a pod reading its node's): flock needs no write
         if e.errno not in (errno.EROFS, errno.EACCES):
             raise
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC), path
+        d = StateDir(copy, create=False)
+    with d:
+        try:
+            fd = d.open(LOCK, os.O_RDWR | os.O_CREAT)
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES):
+                raise
+            fd = d.open(LOCK, os.O_RDONLY)
+        return fd, d.inode(LOCK)
+
+
+def _lock_inode(copy: str) -> int | None:
+    """The inode ``.p2pw/lock`` names now (None: gone, evicted)."""
+    try:
+        with StateDir(copy, create=False) as d:
+            return d.inode(LOCK)
+    except FileNotFoundError:
+        return None
 
 
 def _try(fd: int, op: int) -> bool:
@@ -122,7 +136,7 @@ def complete_copy(copy: str, model_id: str | None = None) -> Manifest | None:
         return None
     if model_id is not None and not marker["model_id"].startswith(model_id):
         return None
-    manifest = _read_manifest(_state(copy, MANIFEST), marker["model_id"])
+    manifest = _read_manifest(read_state(copy, MANIFEST), marker["model_id"])
     if manifest is None or not marker_matches(manifest, copy):
         return None
     return manifest
@@ -134,7 +148,7 @@ def claim(copy: str, model_id: str | None = None) -> CopyClaim:
     try:
         os.makedirs(copy, exist_ok=True)
         while True:
-            fd, path = _open_lock(copy)
+            fd, _ = _open_lock(copy)
             if _try(fd, fcntl.LOCK_EX):
                 mode = "write"
                 if complete_copy(copy, model_id) is not None:  # a complete copy nobody holds: read it
@@ -149,16 +163,14 @@ def claim(copy: str, model_id: str | None = None) -> CopyClaim:
             else:
                 os.close(fd)
                 return CopyClaim(copy, "attach", None)
-            try:
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:  # not evicted under us
-                    break
-            except FileNotFoundError:
-                pass
+            if _lock_inode(copy) == os.fstat(fd).st_ino:  # not evicted under us
+                break
             os.close(fd)
     except OSError as e:
         raise P2PError(f"cannot lock the copy in {copy}: {e.strerror or e}") from None
     if mode == "write":
-        _remove(_state(copy, POINTER))  # a writer that died left it: nobody writes under it now
+        with StateDir(copy, create=False) as d:
+            d.remove(POINTER)  # a writer that died left it: nobody writes under it now
     held = CopyClaim(copy, mode, fd)
     held.created = created
     return held
@@ -168,7 +180,7 @@ def writer_active(copy: str) -> bool:
     """Whether a process holds the copy's lock exclusively (writes it) now."""
     try:
         fd, _ = _open_lock(copy)
-    except OSError:
+    except (OSError, ValueError):  # (PathError: a linked state folder)
         return False
     try:
         return not _try(fd, fcntl.LOCK_SH)
@@ -176,18 +188,10 @@ def writer_active(copy: str) -> bool:
         os.close(fd)
 
 
-def _remove(path: str) -> None:
+def _read_manifest(data: bytes | None, model_id: str | None) -> Manifest | None:
     try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _read_manifest(path: str, model_id: str | None) -> Manifest | None:
-    try:
-        with open(path, "rb") as f:
-            return Manifest.from_json(f.read(), expect_id=model_id)
-    except (OSError, ManifestError, ValueError):
+        return Manifest.from_json(data, expect_id=model_id) if data is not None else None
+    except (ManifestError, ValueError):
         return None
 
 
@@ -196,36 +200,36 @@ class Progress:
 
     def __init__(self, copy: str, manifest: Manifest):
         self.copy = os.path.abspath(copy)
-        d = _state(copy)
-        os.makedirs(d, exist_ok=True)
-        for stale in os.listdir(d):
+        self.state = d = StateDir(copy)  # every name below is in this folder, no link followed
+        for stale in d.names():
             if stale.startswith(CHUNKS):
-                _remove(os.path.join(d, stale))
+                d.remove(stale)
         self.run = os.urandom(6).hex()
-        self.path = os.path.join(d, CHUNKS + self.run)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.name = CHUNKS + self.run
+        self.path = os.path.join(d.path, self.name)
+        fd = d.open(self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             os.ftruncate(fd, max(manifest.n_chunks, 1))
             self.bits = mmap.mmap(fd, max(manifest.n_chunks, 1))
         finally:
             os.close(fd)
-        write_text_atomically(os.path.join(d, MANIFEST), manifest.to_json())
-        write_atomically(os.path.join(d, POINTER), {"run": self.run, "model_id": manifest.model_id,
-                                                    "pid": os.getpid()}, durable=False)
+        d.write(MANIFEST, manifest.to_json())
+        d.write(POINTER, json.dumps({"run": self.run, "model_id": manifest.model_id, "pid": os.getpid()}))
 
     def put(self, index: int, data) -> None:
         self.bits[index] = 1
 
     def close(self) -> None:
         """Stop publishing (readers that attached keep their mapping, all ones if the copy is complete)."""
+        d = self.state
         try:
-            with open(_state(self.copy, POINTER)) as f:
-                mine = json.load(f).get("run") == self.run
-        except (OSError, ValueError):
+            mine = json.loads(d.read(POINTER) or b"{}").get("run") == self.run
+        except (ValueError, AttributeError):
             mine = False
         if mine:
-            _remove(_state(self.copy, POINTER))
-        _remove(self.path)
+            d.remove(POINTER)
+        d.remove(self.name)
+        d.close()
         self.bits.close()
 
 
@@ -310,9 +314,8 @@ class Attached:
         said = False
         while True:
             try:
-                with open(_state(self.path, POINTER)) as f:
-                    ptr = json.load(f)
-                manifest = _read_manifest(_state(self.path, MANIFEST), ptr["model_id"])
+                ptr = json.loads(read_state(self.path, POINTER) or b"")
+                manifest = _read_manifest(read_state(self.path, MANIFEST), ptr["model_id"])
                 bits = _state(self.path, CHUNKS + str(ptr["run"]))
                 if manifest is not None and os.path.exists(bits):
                     if model_id is not None and not manifest.model_id.startswith(model_id):

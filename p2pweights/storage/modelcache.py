@@ -27,6 +27,7 @@ import re
 import time
 
 from .cache import STATE_DIR, copy_paths, marker_matches, remove_tree, write_atomically, write_text_atomically
+from .paths import PathError, StateDir
 from ..errors import UserError
 from ..sources.manifest import Manifest, ManifestError, sha256
 
@@ -159,11 +160,10 @@ class CopyLock:
     """
 
     def __init__(self, copy: str, write: bool = False, complete=lambda: False):
-        d = os.path.join(copy, STATE_DIR)
-        path = os.path.join(d, LOCK)
         while True:
-            os.makedirs(d, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            os.makedirs(copy, exist_ok=True)
+            with StateDir(copy) as d:  # no link followed: a planted .p2pw is one PathError
+                fd = d.open(LOCK, os.O_RDWR | os.O_CREAT)
             if not write:
                 fcntl.flock(fd, fcntl.LOCK_SH)
             else:
@@ -176,8 +176,9 @@ class CopyLock:
                         log.warning("another join is writing %s: waiting for it", copy)
                         fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:  # not evicted while we waited
-                    break
+                with StateDir(copy, create=False) as d:
+                    if d.inode(LOCK) == os.fstat(fd).st_ino:  # not evicted while we waited
+                        break
             except FileNotFoundError:
                 pass
             os.close(fd)
@@ -196,12 +197,11 @@ class CopyLock:
 
 def try_exclusive(copy: str) -> int | None:
     """An fd holding ``<copy>/.p2pw/lock`` exclusively, or None while a join or seed holds it."""
-    path = os.path.join(copy, STATE_DIR, LOCK)
     try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        with StateDir(copy) as d:
+            fd = d.open(LOCK, os.O_RDWR | os.O_CREAT)
+    except PathError:  # a planted link in .p2pw/: held, so never evicted (nor deleted) through it
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
