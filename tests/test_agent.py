@@ -117,7 +117,7 @@ def test_a_prewarm_line_added_is_pulled_and_one_removed_becomes_evictable(procs,
         publish(port, p)  # the agent reads the origin itself: its pre-warm file is the operator's
     cache, prewarm = tmp_path / "cache", tmp_path / "prewarm"
     prewarm.write_text(f"{a_path}\n")
-    ag = agent(procs, tmp_path, port, cache, "--prewarm", prewarm, "--cache-size", "7MiB")
+    ag = agent(procs, tmp_path, port, cache, "--prewarm", prewarm, "--cache-size", "7MiB", "--local-root", tmp_path)
     a_id = until(lambda: [k for k, m in status(cache).items() if m["state"] == "ready"], proc=ag)[0]
     assert status(cache)[a_id]["kept"] and status(cache)[a_id]["origin_bytes_read"] > 0
     new = tmp_path / "prewarm.new"

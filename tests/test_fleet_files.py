@@ -159,3 +159,62 @@ def test_a_copy_in_a_real_state_folder_still_completes_and_replaces_linked_state
     assert same_tree(model_dir, out) == [] and (outside / "marker").read_text() == "mine"
     assert not (out / ".p2pw" / "complete.json").is_symlink()
     assert json.loads((out / ".p2pw" / "complete.json").read_text())["model_id"] == info["model_id"]
+
+
+# ----- the agent: local origins only under --local-root -----------------------------------------------------
+
+
+def test_the_agent_reads_a_local_origin_only_under_a_local_root_and_never_a_relative_name(procs, tmp_path):
+    from conftest import Proc
+    from p2pweights.sources.synth import write_synthetic_model
+    from p2pweights.wire import local
+    from test_fleet_get import CHUNK, start_tracker
+
+    _, port = start_tracker(procs, tmp_path)
+    allowed, outside, relative = tmp_path / "allowed" / "a", tmp_path / "outside" / "b", tmp_path / "tmp" / "x"
+    for i, path in enumerate((allowed, outside, relative)):
+        write_synthetic_model(path, size_mb=1, shards=1, seed=i + 1)
+    for url in (allowed, outside, "tmp/x"):  # anyone may publish a manifest under any URL
+        r = run("manifest", url, "--chunk-size", CHUNK, "--tracker", f"127.0.0.1:{port}", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    cache, prewarm, ready = tmp_path / "cache", tmp_path / "prewarm", tmp_path / "agent.json"
+    prewarm.write_text(f"{allowed}\n{outside}\n")
+    ag = Proc(p2pw_argv("agent", "--tracker", f"127.0.0.1:{port}", "--cache", cache, "--host", "127.0.0.1",
+                        "--ready", ready, "--prewarm", prewarm, "--local-root", tmp_path / "allowed",
+                        "--connect-timeout", "5"), cwd=tmp_path)  # tmp/x exists relative to where it runs
+    procs.started.append(ag)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert ag.popen.poll() is None and time.monotonic() < deadline, ag.output()
+        time.sleep(0.05)
+    local.ask(str(cache), {"op": "get", "model": "tmp/x"}, timeout=60)  # a client's: a repo id, never a path
+    ag.wait_line(f"not reading the origin {outside} here")
+    ag.wait_line("not reading the origin tmp/x here")
+
+    def models():
+        return {m["url"]: m for m in local.ask(str(cache), {"op": "status"}, timeout=10)["models"]}
+    deadline = time.monotonic() + 120
+    while models().get(str(allowed), {}).get("state") != "ready":
+        assert ag.popen.poll() is None and time.monotonic() < deadline, ag.output()
+        time.sleep(0.1)
+    seen = models()
+    assert seen[str(allowed)]["origin_bytes_read"] > 0 and same_tree(allowed, seen[str(allowed)]["path"]) == []
+    assert seen[str(outside)]["origin_bytes_read"] == 0 and seen[str(outside)]["state"] != "ready"
+    assert seen.get("tmp/x", {}).get("origin_bytes_read", 0) == 0
+
+
+def test_origin_rules(tmp_path):
+    from p2pweights.agent.rules import origin_of
+
+    (tmp_path / "root" / "m").mkdir(parents=True)
+    os.symlink(tmp_path, tmp_path / "root" / "up")
+    roots = [str(tmp_path / "root")]
+    assert origin_of("s3://b/k", []) == ("s3", "s3://b/k")
+    assert origin_of(str(tmp_path / "root" / "m"), roots) == ("path", str(tmp_path / "root" / "m"))
+    assert origin_of(str(tmp_path / "root" / "m"), [])[0] is None  # no --local-root: no local path at all
+    assert origin_of(str(tmp_path / "root" / "up" / "x"), roots)[0] is None  # a link out of the root
+    assert origin_of(str(tmp_path / "rootx"), roots)[0] is None  # a sibling that shares the prefix
+    assert origin_of("~/m", roots, home=lambda p: str(tmp_path / "root") + p[1:]) == \
+        ("path", str(tmp_path / "root" / "m"))
+    assert origin_of("tmp/x", roots) == ("hub", "tmp/x")  # a relative name is a repo id, never a path
+    assert origin_of("./m", roots)[0] is None and origin_of("../m", roots)[0] is None

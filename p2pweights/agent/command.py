@@ -18,7 +18,8 @@ class Agent:
 
     def __init__(self, tracker: str, cache_dir: str, *, key=None, prewarm: str | None = None,
                  cache_size: int | None = None, socket_group: str | None = None, host: str = "0.0.0.0",
-                 advertise: str | None = None, no_origin: bool = False, connect_timeout: float = 30.0):
+                 advertise: str | None = None, no_origin: bool = False, connect_timeout: float = 30.0,
+                 local_roots=()):
         from ..storage.modelcache import ModelCache
         from .keeper import Keeper
         from .prewarm import Prewarm
@@ -28,7 +29,7 @@ class Agent:
         os.makedirs(root, exist_ok=True)
         cache = ModelCache(root=root, size=cache_size)
         self.keeper = Keeper(tracker, cache, key=key, host=host, advertise=advertise, no_origin=no_origin,
-                             connect_timeout=connect_timeout)
+                             connect_timeout=connect_timeout, local_roots=local_roots)
         self.prewarm = Prewarm(prewarm, self.keeper) if prewarm else None
         self.server = LocalServer(root, self.keeper, socket_group, status=self.status)
         self.stopped = threading.Event()
@@ -73,7 +74,7 @@ def cmd_agent(args) -> int:
     key = load_key(args.key)
     agent = Agent(args.tracker, args.cache, key=key, prewarm=args.prewarm, cache_size=args.cache_size,
                   socket_group=args.socket_group, host=args.host, advertise=args.advertise,
-                  no_origin=args.no_origin, connect_timeout=args.connect_timeout)
+                  no_origin=args.no_origin, connect_timeout=args.connect_timeout, local_roots=args.local_root)
     try:
         if args.http:
             from .httpops import AgentOps
@@ -141,6 +142,9 @@ def add_parser(sub) -> None:
     a.add_argument("--host", default="0.0.0.0", help="address peers connect to this node on")
     a.add_argument("--advertise", help="HOST peers reach this node at (default: the address towards the tracker)")
     a.add_argument("--no-origin", action="store_true", help="never read an origin here: take every chunk from peers")
+    a.add_argument("--local-root", action="append", default=[], metavar="DIR",
+                   help="read origins named by an absolute path only under this folder (repeatable; none: no local "
+                        "path is ever read as an origin, only s3:// and Hugging Face repo ids)")
     a.add_argument("--connect-timeout", type=seconds, default=30.0, metavar="S",
                    help="keep trying the tracker, or waiting for a manifest, this long (default 30)")
     a.add_argument("--ready", type=output_path, metavar="FILE", help="write {socket, resumed, http_port} as JSON once listening")

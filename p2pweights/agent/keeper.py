@@ -57,9 +57,10 @@ class Keeper:
     """The agent's models (``held``, by id), the swarm they are served to (``tracker``), and the cache."""
 
     def __init__(self, tracker: str, cache: ModelCache, key=None, host: str = "0.0.0.0", advertise: str | None = None,
-                 no_origin: bool = False, connect_timeout: float = 30.0):
+                 no_origin: bool = False, connect_timeout: float = 30.0, local_roots=()):
         self.tracker, self.cache, self.key = tracker, cache, key
         self.host, self.advertise, self.no_origin, self.connect_timeout = host, advertise, no_origin, connect_timeout
+        self.local_roots = list(local_roots)  # the only folders a local-path origin may be read from
         self.lock = threading.Lock()
         self.held: dict[str, Held] = {}
         self.kept: set[str] = set()  # ids the pre-warm list names: never evicted
@@ -142,7 +143,7 @@ class Keeper:
 
     def _join(self, h: Held, manifest):
         from .. import api
-        from ..origin import Origin, lookup, open_source, publish
+        from ..origin import Origin, lookup, publish
 
         url = h.url or f"p2pw:{h.model_id}"  # a model known by id only: its swarm, under a name of the agent's
         manifest = manifest or self.cache.manifest(h.model_id)
@@ -155,7 +156,7 @@ class Keeper:
                 publish(self.tracker, url, manifest, self.key)
             self._remember_url(h.model_id, url)
             self.make_room(manifest)
-            source = None if self.no_origin or h.url is None else open_source(url, manifest)
+            source = None if self.no_origin or h.url is None else self._origin_source(url, manifest)
             origin = Origin(url, manifest, source)
         dl = api.join(self.tracker, out=h.path, model_id=h.model_id, cache=self.cache, key=self.key,
                       host=self.host, advertise=self.advertise, origin=origin, connect_timeout=self.connect_timeout)
@@ -169,6 +170,22 @@ class Keeper:
                 dl.close()
                 raise
         return dl, origin
+
+    def _origin_source(self, url: str, manifest):
+        """A reader of ``url``'s origin where ``rules.origin_of`` lets this agent read it, else None (said why)."""
+        from ..origin import open_source
+        from ..storage import hfcache
+
+        kind, what = rules.origin_of(url, self.local_roots)
+        if kind == "hub":
+            try:
+                what, _ = hfcache.resolve(url)
+            except hfcache.HFCacheError as e:
+                kind, what = None, str(e).splitlines()[0]
+        if kind is None:
+            log.warning("not reading the origin %s here (%s): taking every chunk from peers", url, what[:300])
+            return None
+        return open_source(what, manifest)
 
     def _finish(self, h: Held) -> None:
         try:

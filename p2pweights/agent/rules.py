@@ -19,6 +19,30 @@ def prewarm_lines(text: str) -> list[str]:
     return out
 
 
+def origin_of(url: str, local_roots: list[str], home=os.path.expanduser) -> tuple[str | None, str]:
+    """How the agent reads the origin named ``url``: ``(kind, what)``, ``kind`` one of ``s3``, ``hub`` (a repo id
+    ``ORG/NAME[@REVISION]`` in the Hugging Face cache), ``path`` (``what``: the folder, resolved) or None (not here:
+    ``what`` says why).  Rules: an ``s3://`` URL is read from the object store; an absolute path (``/``, ``~``) is
+    read only where it resolves (links followed) to a ``local_roots`` folder or below, and with none given never;
+    a relative name (``tmp/x``, ``./x``) is never a path: it is a repo id or nothing."""
+    from ..sources.objstore import is_s3
+    from ..storage.hfcache import parse_repo_ref
+
+    if is_s3(url):
+        return "s3", url
+    if url.startswith(("/", "~")):
+        real = os.path.realpath(home(url))
+        for root in local_roots:
+            r = os.path.realpath(root)
+            if real == r or real.startswith(r.rstrip("/") + "/"):
+                return "path", real
+        return None, (f"{url} is under no --local-root" if local_roots else
+                      "a local path, and the agent was given no --local-root")
+    if parse_repo_ref(url) is not None:
+        return "hub", url
+    return None, f"{url} is neither s3://, an absolute path nor a repo id ORG/NAME"
+
+
 def changes(old: list[str], new: list[str]) -> tuple[list[str], list[str]]:
     """``(added, removed)`` between two pre-warm lists."""
     return [x for x in new if x not in old], [x for x in old if x not in new]
