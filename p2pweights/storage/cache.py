@@ -549,8 +549,9 @@ class DiskCache:
         files = [{"name": f["name"], "size": f["size"], "mtime_ns": os.stat(p).st_mtime_ns}
                  for f, p in zip(m.files, self.paths)]
         with StateDir(self.out) as d:
-            d.write(MARKER, json.dumps({"model_id": m.model_id, "files": files, "bytes": sum(f["size"] for f in m.files),
-                                        "time": time.time()}, indent=1), durable=True)
+            d.write(MARKER, json.dumps({"model_id": m.model_id, "files": files,
+                                        "bytes": sum(f["size"] for f in m.files), "time": time.time()}, indent=1),
+                    durable=True)
             d.remove(PROGRESS)
 
     def close(self, reads: bool = True) -> None:

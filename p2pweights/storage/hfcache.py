@@ -10,7 +10,8 @@ links to the node's store files, see ``blob_names``, each named by the hash
 of its verified bytes, never by the manifest's etag: a manifest cannot
 name, so overwrite, another snapshot's blob), then the symlinks, then the
 ref (only one asked for, or one that moves no ref already there), so
-``from_pretrained`` with ``HF_HUB_OFFLINE=1`` never sees a partial snapshot.  No huggingface_hub import: the layout is plain files.
+``from_pretrained`` with ``HF_HUB_OFFLINE=1`` never sees a partial snapshot.
+No huggingface_hub import: the layout is plain files.
 """
 from __future__ import annotations
 
