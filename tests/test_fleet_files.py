@@ -115,6 +115,15 @@ def test_publishing_again_keeps_a_blob_of_the_same_bytes_and_replaces_a_planted_
     assert hfcache.place_blob(str(root), str(store), name) == f"blobs/{name}"
     assert not (root / "blobs" / name).is_symlink() and (root / "blobs" / name).read_bytes() == data
     assert outside.read_bytes() == b"\4" * 5000
+    other = root / "blobs" / f"{name}.p2pw-y-0"  # another copy of the same bytes: the blob there is kept
+    other.write_bytes(data)
+    kept = os.stat(root / "blobs" / name).st_ino
+    assert hfcache.place_blob(str(root), str(other), name) == f"blobs/{name}"
+    assert os.stat(root / "blobs" / name).st_ino == kept != os.stat(other).st_ino
+    (root / "blobs" / name).unlink()  # other bytes under the name: replaced by the verified store file
+    (root / "blobs" / name).write_bytes(b"\5" * 5000)
+    assert hfcache.place_blob(str(root), str(other), name) == f"blobs/{name}"
+    assert (root / "blobs" / name).read_bytes() == data and os.stat(root / "blobs" / name).st_ino == os.stat(other).st_ino
 
 
 # ----- the .p2pw state folder: no link followed out of --out --------------------------------------------------
