@@ -139,7 +139,7 @@ def blob_names(manifest) -> list[str]:
     bytes name).  Named by the model and the file's index, so no other model's join, and no other file of
     this one (the store never maps one file twice), writes it."""
     check_publishable(manifest)
-    return [f"blobs/{f['etag']}.p2pw-{manifest.model_id[:16]}-{n}" for n, f in enumerate(manifest.files)]
+    return [f"blobs/{f['etag']}.p2pw-{manifest.model_id}-{n}" for n, f in enumerate(manifest.files)]
 
 
 def hub_name(etag: str, data_size: int, read) -> str:
