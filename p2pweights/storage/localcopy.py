@@ -92,8 +92,8 @@ class CopyClaim:
             self.fd = None
 
 
-def _open_lock(copy: str) -> tuple[int, int | None]:
-    """An fd of the copy's lock (made if missing), and its inode as named now (``StateDir``: no link followed)."""
+def _open_lock(copy: str) -> int:
+    """An fd of the copy's lock, made if missing (``StateDir``: no link followed)."""
     try:
         d = StateDir(copy)
     except OSError as e:  # a read-only mount of the copy (a pod reading its node's): flock needs no write
@@ -107,7 +107,7 @@ def _open_lock(copy: str) -> tuple[int, int | None]:
             if e.errno not in (errno.EROFS, errno.EACCES):
                 raise
             fd = d.open(LOCK, os.O_RDONLY)
-        return fd, d.inode(LOCK)
+        return fd
 
 
 def _lock_inode(copy: str) -> int | None:
@@ -148,7 +148,7 @@ def claim(copy: str, model_id: str | None = None) -> CopyClaim:
     try:
         os.makedirs(copy, exist_ok=True)
         while True:
-            fd, _ = _open_lock(copy)
+            fd = _open_lock(copy)
             if _try(fd, fcntl.LOCK_EX):
                 mode = "write"
                 if complete_copy(copy, model_id) is not None:  # a complete copy nobody holds: read it
@@ -179,7 +179,7 @@ def claim(copy: str, model_id: str | None = None) -> CopyClaim:
 def writer_active(copy: str) -> bool:
     """Whether a process holds the copy's lock exclusively (writes it) now."""
     try:
-        fd, _ = _open_lock(copy)
+        fd = _open_lock(copy)
     except (OSError, ValueError):  # (PathError: a linked state folder)
         return False
     try:
