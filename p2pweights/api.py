@@ -406,8 +406,11 @@ class Download:
         try:
             self._wait_complete(timeout)
         except P2PError as e:
-            if getattr(e, "cause", None) and self.model_cache is not None:
-                self.model_cache.failed.remember(self.model_id, e.cause, str(e))
+            failed = self.model_cache.failed if self.model_cache is not None else None
+            if getattr(e, "cause", None) == "checksums" and failed is not None:
+                failed.bad_sources(self.model_id, str(e), self.node.tracker_addr, getattr(e, "sources", ()))
+            elif getattr(e, "cause", None) and failed is not None:
+                failed.remember(self.model_id, e.cause, str(e))
             raise
         for step in self.finishing:
             step()
@@ -422,11 +425,14 @@ class Download:
             if self.store.count != seen:
                 seen, bad_since, moved = self.store.count, st.bad_chunks, time.monotonic()
             elif st.bad_chunks - bad_since >= CHECKSUM_GIVE_UP and time.monotonic() - moved > CHECKSUM_STALL:
+                bad = sorted(dict(st.bad_from))
                 message = (f"every source failed its checksums: {st.bad_chunks - bad_since} chunks in a row failed "
                            f"verification, none verified in between ({self.store.count} of "
-                           f"{self.manifest.n_chunks} verified)")
+                           f"{self.manifest.n_chunks} verified; bad chunks from {', '.join(bad) or 'unknown'})")
                 self.node.fail(message)
-                raise repeating(message, "checksums")
+                e = repeating(message, "checksums")
+                e.sources = bad  # the failure is remembered for these sources only
+                raise e
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"download not complete after {timeout} s: {self.progress['chunks']} of "
                                    f"{self.manifest.n_chunks} chunks verified")
@@ -794,11 +800,19 @@ def _handshake_remembered(ctx, parent, hello, model_id, timeout, key, cache, ret
         raise
     if cache is not None and not retry_now:
         try:
-            _refuse_remembered(cache, manifest.model_id, where)
+            _refuse_remembered(cache, manifest.model_id, where, tracker_addr, _planned_sources(welcome, tracker_addr))
         except P2PError:
             link.close(0)
             raise
     return link, tracker_addr, welcome, manifest
+
+
+def _planned_sources(welcome: dict, tracker_addr: str) -> list[str]:
+    """The addresses a WELCOME's plan names to pull from (a parent's empty address: the tracker), as a
+    failure tied to sources (their chunks failed their checksums) compares them."""
+    named = [p for key in ("parents", "partners") if isinstance(welcome.get(key), list) for p in welcome[key]]
+    return sorted({(p.get("addr") or tracker_addr) for p in named if isinstance(p, dict)
+                   and isinstance(p.get("addr", ""), str) and p.get("rank") != welcome.get("rank")})
 
 
 def _destination(out, cache, hf_cache) -> str:
@@ -810,10 +824,11 @@ def _destination(out, cache, hf_cache) -> str:
     return cache.models if cache is not None else "memory"
 
 
-def _refuse_remembered(cache: ModelCache, wanted: str, where: str, tracker: str | None = None) -> None:
-    """P2PError with the remembered reason if a join of ``wanted`` into ``where`` (through ``tracker``) failed
-    lately for a repeating cause."""
-    rec = cache.failed.blocking(wanted, where, tracker)
+def _refuse_remembered(cache: ModelCache, wanted: str, where: str, tracker: str | None = None,
+                       sources=None) -> None:
+    """P2PError with the remembered reason if a join of ``wanted`` into ``where`` (through ``tracker``, pulling
+    from ``sources``) failed lately for a repeating cause."""
+    rec = cache.failed.blocking(wanted, where, tracker, sources)
     if rec is not None:
         raise P2PError(describe_failure(rec, cache.failures))
 

@@ -542,22 +542,26 @@ class FailureMemory:
             except (OSError, ValueError, KeyError, TypeError):
                 continue
 
-    def blocking(self, wanted: str, where: str | None = None, tracker: str | None = None) -> dict | None:
+    def blocking(self, wanted: str, where: str | None = None, tracker: str | None = None,
+                 sources=None) -> dict | None:
         """The remembered failure, still within its backoff, of a model ``wanted`` names (an id or a prefix; a
         record made for a prefix matches ids extending it), or None.  A failure tied to a destination (not
         enough disk there) only blocks joins into that destination; one tied to a tracker (its refusal) only
-        joins through that tracker."""
+        joins through that tracker; one tied to sources (their chunks failed their checksums) only a join
+        through that tracker whose ``sources`` (the addresses its plan names) all failed so before."""
         wanted = wanted.lower()
         for key, rec in self.records():
             if ((key.startswith(wanted) or wanted.startswith(key)) and rec.get("where") in (None, where)
-                    and rec.get("tracker") in (None, tracker) and self.policy.blocks(rec)):
+                    and rec.get("tracker") in (None, tracker) and same_sources(rec, sources)
+                    and self.policy.blocks(rec)):
                 return rec
         return None
 
     def remember(self, key: str, cause: str, reason: str, where: str | None = None,
-                 tracker: str | None = None) -> dict:
+                 tracker: str | None = None, sources=None) -> dict:
         """Remember that a join of ``key`` (a model id, or the id a join pinned) failed for ``cause``
-        (``where``: the destination it is tied to, ``tracker``: the node whose answer it was, if any)."""
+        (``where``: the destination it is tied to, ``tracker``: the node whose answer it was, if any;
+        ``sources``: the addresses whose chunks failed, added to those remembered through ``tracker``)."""
         if cause not in CAUSES:
             raise KeyError(f"unknown failure cause {cause!r}")
         os.makedirs(self.dir, exist_ok=True)
@@ -569,8 +573,18 @@ class FailureMemory:
             previous = None
         rec = dict(self.policy.failed(previous, cause, reason), key=key.lower(), where=where,
                    **({"tracker": tracker} if tracker else {}))
+        if sources is not None:
+            old = previous.get("sources") if isinstance(previous, dict) else None
+            rec["sources"] = sorted(set(sources) | set(old if isinstance(old, list) else ()))
         write_atomically(path, rec, durable=False)
         return rec
+
+    def bad_sources(self, key: str, reason: str, tracker: str | None, sources) -> dict:
+        """Remember that every source failed its checksums in a join of ``key`` through ``tracker``,
+        ``sources`` being the addresses whose chunks failed.  Anyone may join a fleet without a key and serve
+        garbage, so the failure speaks for those sources only: a join through another tracker, or one whose
+        plan names a source not among them, is not refused."""
+        return self.remember(key, "checksums", reason, tracker=tracker, sources=sorted(sources))
 
     def refused(self, key: str, reason: str, tracker: str, keyed: bool) -> dict:
         """Remember that ``tracker`` refused the pinned ``key`` ("model id mismatch").  Without a fleet key
@@ -587,6 +601,15 @@ class FailureMemory:
                     os.remove(self._failure_path(k, rec.get("where"), rec.get("tracker")))
                 except FileNotFoundError:
                     pass
+
+
+def same_sources(rec: dict, sources) -> bool:
+    """Whether a failure ``rec`` applies to a join with ``sources``: one tied to no sources always does; one
+    tied to sources only when the join names some, each among them (nothing new to try)."""
+    bad = rec.get("sources")
+    if bad is None:
+        return True
+    return isinstance(bad, list) and bool(sources) and set(sources) <= set(bad)
 
 
 def describe_failure(rec: dict, policy: FailurePolicy) -> str:

@@ -105,6 +105,9 @@ class Intake:
     def _bad(self, job: Job, link) -> None:
         n = self.node
         n.stats.bad_chunks += 1
+        partner = n.partners.links.get(job.rank)
+        if partner is not None:
+            n.stats.bad_from[partner.addr] = n.stats.bad_from.get(partner.addr, 0) + 1
         log.warning("chunk %d from partner rank %d failed verification (%d bytes): dropped, fetching it again",
                     job.index, job.rank, job.got)
         if link is not None and link.bad >= MAX_BAD_FROM_PARENT:

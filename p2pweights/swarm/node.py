@@ -81,12 +81,14 @@ def keep_frame_memory() -> None:
 
 class Stats:
     """Counters a node reports: ``bytes_received`` counts chunk bytes received into the store (verified
-    or not), ``switches`` chunks taken from a partner other than the planned source; ``arrivals``
-    (traced joins): (clock, chunk, from rank, planned rank) per verified chunk."""
+    or not), ``switches`` chunks taken from a partner other than the planned source; ``bad_from``: chunks that
+    failed verification, by the address of the partner that sent them; ``arrivals`` (traced joins): (clock,
+    chunk, from rank, planned rank) per verified chunk."""
 
     def __init__(self):
         self.chunks_sent = self.bytes_sent = self.chunks_received = self.bytes_received = 0
         self.bad_chunks = self.duplicates = self.malformed = self.stalled = 0
+        self.bad_from: dict[str, int] = {}
         self.reparented = self.resumed = self.switches = 0
         self.origin_chunks = 0  # chunks this node read from the origin and served (an origin reader)
         self.lane_chunks = [0] * (MAX_LANE + 1)  # chunks received by lane number (0: partners' links)
