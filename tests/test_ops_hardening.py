@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from p2pweights.ops import LOOPBACK, ConnectionLimit, OpsError, OpsServer, parse_http_addr  # noqa: E402
+from p2pweights.ops import BUSY, LOOPBACK, ConnectionLimit, OpsError, OpsServer, ProbeLane, parse_http_addr  # noqa: E402
 
 SAFETY = 60  # seconds a test socket waits for the server before the test fails (never reached when it passes)
 HALF_SENT = b"GET /healthz HTTP/1.1\r\nHost: p2pw\r\n"  # no blank line: the request never ends
@@ -30,8 +30,8 @@ def servers():
 def sockets():
     opened = []
 
-    def connect(port, host="127.0.0.1"):
-        s = socket.create_connection((host, port), timeout=SAFETY)
+    def connect(port, host="127.0.0.1", source=None):  # source: another loopback address (127.0.0.2 ...)
+        s = socket.create_connection((host, port), timeout=SAFETY, source_address=(source, 0) if source else None)
         opened.append(s)
         return s
 
@@ -61,15 +61,15 @@ def get(port: int, path: str = "/healthz", host: str = "127.0.0.1") -> tuple[int
 
 @pytest.mark.timeout(120)
 def test_half_sent_requests_are_closed_and_free_their_slots(servers, sockets):
-    """20 half-sent requests once held 20 threads for ever: now the 21st connection is refused at once, and
-    each held one is closed at its deadline."""
+    """20 half-sent requests once held 20 threads for ever: now the 21st connection is refused, and each held
+    one is closed at its deadline.  (From three addresses: one address holds at most 8.)"""
     ops = servers("127.0.0.1:0", max_connections=20, request_timeout=1.0)
-    conns = [sockets(ops.port) for _ in range(21)]
+    conns = [sockets(ops.port, source=f"127.0.0.{1 + i % 3}") for i in range(21)]
     for s in conns:
         s.sendall(HALF_SENT)
     answers = sorted(read_all(s) for s in conns)
-    # one over the cap, answered at once and never given a thread; the others closed by the server at their
-    # deadline, with no answer to a request that never ended
+    # one over the cap, never given a thread, answered 503 once it never sent a probe; the others closed by
+    # the server at their deadline, with no answer to a request that never ended
     assert answers == [b""] * 20 + [b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
                                     b"Content-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n"]
     assert get(ops.port) == (200, b'{"alive": true}')  # every slot is free again
@@ -92,6 +92,70 @@ def test_connection_limit_caps_and_expires():
     limit.release("a")
     limit.release("never admitted")
     assert limit.admit("c", 16.0) and limit.expired(16.0) == ["b"]
+
+
+def get_from(port: int, path: str, source: str) -> tuple[int, bytes]:
+    """A GET from ``source`` (a loopback address) by a real HTTP client."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=SAFETY, source_address=(source, 0))
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(120)
+def test_probes_are_answered_while_strangers_hold_every_slot(servers, sockets):
+    """Half-sent requests from six addresses hold every slot and fill the probe lane, and more keep coming:
+    /healthz and /readyz from any address (the strangers' own included) are still answered, anything else gets
+    503 without a thread."""
+    ops = servers("127.0.0.1:0")
+    for i in range(48):
+        sockets(ops.port, source=f"127.0.0.{1 + i % 6}").sendall(HALF_SENT)
+    for source in ("127.0.0.1", "127.0.0.9"):
+        assert get_from(ops.port, "/healthz", source) == (200, b'{"alive": true}')
+        assert get_from(ops.port, "/readyz", source) == (503, b'{"stage": "connecting", "pct": 0.0}')
+        assert get_from(ops.port, "/metrics", source) == (503, b"too many connections\n")
+    alive = 0
+    for round in range(5):  # strangers opening half-sent requests between the probes: each displaces an older one
+        for i in range(16):
+            sockets(ops.port, source=f"127.0.0.{10 + i % 4}").sendall(HALF_SENT)
+        alive += get_from(ops.port, "/healthz", "127.0.0.1") == (200, b'{"alive": true}')
+    assert alive == 5
+
+
+@pytest.mark.timeout(120)
+def test_one_address_holds_at_most_its_share_of_the_slots(servers, sockets):
+    ops = servers("127.0.0.1:0", max_connections=32, max_per_address=8)
+    held = [sockets(ops.port, source="127.0.0.2") for _ in range(8)]
+    for s in held:
+        s.sendall(HALF_SENT)
+    assert get_from(ops.port, "/metrics", "127.0.0.2") == (503, b"too many connections\n")
+    status, body = get_from(ops.port, "/metrics", "127.0.0.3")
+    assert status == 200 and b"p2pw_build_info" in body
+    assert get_from(ops.port, "/healthz", "127.0.0.2") == (200, b'{"alive": true}')
+
+
+def test_connection_limit_caps_each_address():
+    limit = ConnectionLimit(cap=4, timeout=10.0, per_address=2)
+    assert limit.admit("a1", 0.0, "10.0.0.1") and limit.admit("a2", 0.0, "10.0.0.1")
+    assert not limit.admit("a3", 0.0, "10.0.0.1")  # its address holds its share
+    assert limit.admit("b1", 0.0, "10.0.0.2") and limit.admit("b2", 0.0, "10.0.0.2")
+    assert not limit.admit("c1", 0.0, "10.0.0.3")  # the cap
+    limit.release("a1")
+    assert limit.admit("a3", 1.0, "10.0.0.1") and not limit.admit("a4", 1.0, "10.0.0.1")
+
+
+def test_probe_lane_displaces_the_oldest_and_expires():
+    lane = ProbeLane(size=2, timeout=5.0)
+    assert lane.add("a", 0.0) == [] and lane.add("b", 1.0) == [] and lane.wait(1.0) == 4.0
+    assert lane.add("c", 2.0) == ["a"]  # a newer connection takes the oldest one's place
+    lane.release("b")
+    assert lane.add("d", 3.0) == [] and lane.expired(6.9) == [] and lane.expired(7.0) == ["c"]
+    lane.release("c")
+    lane.release("d")
+    assert lane.wait(8.0) is None and BUSY.startswith(b"HTTP/1.0 503 ")
 
 
 def test_port_alone_means_loopback_and_every_interface_is_named(servers):
