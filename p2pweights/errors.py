@@ -13,3 +13,8 @@ class UserError(Exception):
 
 class P2PError(UserError, RuntimeError):
     """A seed or join that cannot go on; the message says why, in one line."""
+
+
+class LoaderOptionError(UserError, ValueError):
+    """A bad option of an engine's load format (vLLM's ``--model-loader-extra-config`` or its ``P2PW_*``
+    variable): the message names the option, its value and what it takes."""

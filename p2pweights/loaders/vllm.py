@@ -12,64 +12,34 @@ vLLM builds the model from the config before it loads weights: ``MODEL`` is a
 folder that holds the config and tokenizer files (a pre-warmed copy, a hub
 snapshot, or any folder with them); the weights need not be there.
 
-Options (``--model-loader-extra-config`` JSON, else the environment):
+Options (``--model-loader-extra-config`` JSON, else the environment; checked by ``loadoptions``):
 
 - ``parent`` (``P2PW_PARENT``): HOST:PORT of the seeder or any peer; needed unless the copy is complete
 - ``model_id`` (``P2PW_MODEL_ID``): refuse any other checkpoint
 - ``out`` (``P2PW_OUT``): the copy's folder (default: ``MODEL`` itself)
 - ``key`` (``P2PW_KEY``): the fleet key directory, when links are keyed
-- ``linger`` (``P2PW_LINGER``, 0/1): keep serving the model to the swarm after loading
-- ``timeout`` (``P2PW_TIMEOUT``, seconds, default 600): the longest wait for any one tensor
+- ``linger`` (``P2PW_LINGER``, true/false, 1/0): keep serving the model to the swarm after loading
+- ``timeout`` (``P2PW_TIMEOUT``, seconds above 0, finite, default 600): the longest wait for any one tensor
 - ``agent`` (``P2PW_AGENT``): the node agent's cache directory; the weights come from the agent's copy of
   ``model`` (``P2PW_MODEL``: its URL or id; default ``model_id``), which it fetches once for the host
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from .. import api
-from ..errors import UserError
+from ..errors import LoaderOptionError
+from .loadoptions import DEFAULT_TIMEOUT, OPTIONS, options  # noqa: F401  (the load format's options)
 
 log = logging.getLogger("vllm.p2pweights")
 
 LOAD_FORMAT = "p2pweights"
-OPTIONS = {"parent": "P2PW_PARENT", "model_id": "P2PW_MODEL_ID", "out": "P2PW_OUT", "key": "P2PW_KEY",
-           "linger": "P2PW_LINGER", "timeout": "P2PW_TIMEOUT", "agent": "P2PW_AGENT", "model": "P2PW_MODEL"}
-DEFAULT_TIMEOUT = 600.0
 WRITER_RETRIES = 3  # times a worker takes over a copy whose local writer stopped short
 _kept: list = []  # downloads lingering to serve the swarm after loading, for the life of the worker
-
-
-class LoaderOptionError(UserError, ValueError):
-    """A bad ``--model-loader-extra-config`` or environment option."""
-
-
-def options(extra: dict | str | None, model_dir: str, env=os.environ) -> dict:
-    """The loader's options: ``extra`` (dict or JSON) first, then ``P2PW_*``; ``out`` defaults to ``model_dir``."""
-    if isinstance(extra, str):
-        try:
-            extra = json.loads(extra) if extra.strip() else {}
-        except ValueError as e:
-            raise LoaderOptionError(f"--model-loader-extra-config is not JSON: {e}") from None
-    extra = dict(extra or {})
-    unknown = sorted(set(extra) - set(OPTIONS))
-    if unknown:
-        raise LoaderOptionError(f"unknown p2pweights option {unknown[0]!r} in --model-loader-extra-config: "
-                                f"expected {', '.join(OPTIONS)}")
-    opts = {k: extra[k] if extra.get(k) not in (None, "") else env.get(v) or None for k, v in OPTIONS.items()}
-    opts["out"] = os.path.abspath(opts["out"] or model_dir)
-    opts["linger"] = str(opts["linger"] or "0").lower() in ("1", "true", "yes", "on")
-    try:
-        opts["timeout"] = float(opts["timeout"] or DEFAULT_TIMEOUT)
-    except ValueError:
-        raise LoaderOptionError(f"timeout must be seconds, not {opts['timeout']!r}") from None
-    return opts
 
 
 def open_weights(opts: dict):
