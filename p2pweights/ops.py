@@ -267,6 +267,7 @@ class ProbeDoor:
         self.selector = selectors.DefaultSelector()
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
         self.selector.register(self.wake_r, selectors.EVENT_READ)
         self.lock, self.incoming, self.heads, self.stopped = threading.Lock(), [], {}, False
         self.thread = threading.Thread(target=self._run, name="p2pw-http-probes", daemon=True)
@@ -285,32 +286,45 @@ class ProbeDoor:
             pass
 
     def _run(self) -> None:
+        while not self.stopped:
+            try:
+                self._pass()
+            except Exception:  # a probe never takes the node down, nor this thread
+                log.debug("--http: the probe lane's pass failed", exc_info=True)
+
+    def _pass(self) -> None:
+        """Wait for a head's bytes, a new connection or a deadline; act on each."""
         import selectors
 
-        while not self.stopped:
-            for key, _ in self.selector.select(self.lane.wait(time.monotonic())):
-                if key.fileobj is self.wake_r:
-                    while True:
-                        try:
-                            if not self.wake_r.recv(4096):
-                                break
-                        except OSError:
-                            break
-                elif key.fileobj in self.heads:
-                    self._read(key.fileobj)
-            with self.lock:
-                incoming, self.incoming = self.incoming, []
-            for conn in incoming:
+        for key, _ in self.selector.select(self.lane.wait(time.monotonic())):
+            if key.fileobj is self.wake_r:
+                try:
+                    while self.wake_r.recv(4096):
+                        pass
+                except OSError:  # drained
+                    pass
+            elif key.fileobj in self.heads:
+                self._read(key.fileobj)
+        with self.lock:
+            incoming, self.incoming = self.incoming, []
+        for conn in incoming:
+            try:
                 conn.setblocking(False)
-                self.heads[conn] = b""
                 self.selector.register(conn, selectors.EVENT_READ)
-                for held in list(self.heads):  # what has come is read first: a whole probe is never displaced
+            except (OSError, ValueError):  # gone already
+                conn.close()
+                continue
+            self.heads[conn] = b""
+            # what has come is read first, so that no probe sent whole is displaced
+            for held in [c for c in self.heads if c is not conn]:
+                if held in self.heads:  # not closed meanwhile
                     self._read(held)
-                if conn in self.heads:
-                    for old in self.lane.add(conn, time.monotonic()):
-                        self._close(old, BUSY)
-            for conn in self.lane.expired(time.monotonic()):
-                self._close(conn, BUSY)
+            self._read(conn)
+            if conn in self.heads:
+                for old in self.lane.add(conn, time.monotonic()):
+                    self._close(old, BUSY)
+        for conn in self.lane.expired(time.monotonic()):
+            self._close(conn, BUSY)
 
     def _read(self, conn) -> None:
         try:

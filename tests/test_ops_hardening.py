@@ -125,6 +125,59 @@ def test_probes_are_answered_while_strangers_hold_every_slot(servers, sockets):
     assert alive == 5
 
 
+class Reopener:
+    """A stranger holding ``n`` half-sent requests from ``addresses``, opening a new one as each is closed (at
+    most ``most`` in all), on its own thread until ``close``."""
+
+    def __init__(self, port: int, n: int, addresses: list[str], most: int = 500):
+        import selectors
+        import threading
+
+        self.port, self.addresses, self.most, self.opened = port, addresses, most, 0
+        self.selector, self.stop = selectors.DefaultSelector(), threading.Event()
+        for _ in range(n):
+            self._open()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _open(self) -> None:
+        import selectors
+
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=SAFETY,
+                                     source_address=(self.addresses[self.opened % len(self.addresses)], 0))
+        s.sendall(HALF_SENT)
+        self.selector.register(s, selectors.EVENT_READ)
+        self.opened += 1
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for key, _ in self.selector.select(0.1):
+                self.selector.unregister(key.fileobj)
+                key.fileobj.close()
+                if self.opened < self.most:
+                    self._open()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(SAFETY)
+        for key in list(self.selector.get_map().values()):
+            key.fileobj.close()
+        self.selector.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_stranger_reopening_half_sent_requests_never_fails_a_probe(servers):
+    """Every slot and the probe lane held, each connection the server closes opened again at once."""
+    ops = servers("127.0.0.1:0")
+    stranger = Reopener(ops.port, 48, [f"127.0.0.{k}" for k in range(1, 7)])
+    try:
+        answers = [get_from(ops.port, "/healthz", "127.0.0.1") for _ in range(10)]
+    finally:
+        stranger.close()
+    assert answers == [(200, b'{"alive": true}')] * 10
+    assert stranger.opened > 48  # the server closed some (the lane's oldest), and each was opened again
+
+
 @pytest.mark.timeout(120)
 def test_one_address_holds_at_most_its_share_of_the_slots(servers, sockets):
     ops = servers("127.0.0.1:0", max_connections=32, max_per_address=8)
