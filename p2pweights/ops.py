@@ -35,7 +35,7 @@ DEFAULT_HTTP_PORT = 9420
 LOOPBACK = "127.0.0.1"  # where --http :PORT listens: every other interface is named explicitly
 MAX_CONNECTIONS = 32  # --http connections served at once; one more goes to the probe lane
 MAX_PER_ADDRESS = 8  # of those, from one source address
-PROBE_LANE = 8  # connections over a cap held at once to read a probe (the oldest is answered 503 for a newer one)
+PROBE_LANE = 64  # connections over a cap held at once (an fd each) to read a probe; a newer one displaces the oldest
 MAX_HEAD = 8192  # bytes of a request head the probe lane reads
 PROBES = ("/healthz", "/readyz")  # answered even over the cap (and ``/readyz/...``: the agent's per model)
 REQUEST_TIMEOUT = 10.0  # seconds an --http connection is held, from accept to its answer's last byte
@@ -296,15 +296,7 @@ class ProbeDoor:
         """Wait for a head's bytes, a new connection or a deadline; act on each."""
         import selectors
 
-        for key, _ in self.selector.select(self.lane.wait(time.monotonic())):
-            if key.fileobj is self.wake_r:
-                try:
-                    while self.wake_r.recv(4096):
-                        pass
-                except OSError:  # drained
-                    pass
-            elif key.fileobj in self.heads:
-                self._read(key.fileobj)
+        self._ready(self.lane.wait(time.monotonic()), wake=True)
         with self.lock:
             incoming, self.incoming = self.incoming, []
         for conn in incoming:
@@ -315,16 +307,25 @@ class ProbeDoor:
                 conn.close()
                 continue
             self.heads[conn] = b""
-            # what has come is read first, so that no probe sent whole is displaced
-            for held in [c for c in self.heads if c is not conn]:
-                if held in self.heads:  # not closed meanwhile
-                    self._read(held)
-            self._read(conn)
+            self._ready(0)  # what has come is read first (the new one's too): no probe sent whole is displaced
             if conn in self.heads:
                 for old in self.lane.add(conn, time.monotonic()):
                     self._close(old, BUSY)
         for conn in self.lane.expired(time.monotonic()):
             self._close(conn, BUSY)
+
+    def _ready(self, timeout: float | None, wake: bool = False) -> None:
+        """Read every head with bytes waiting, within ``timeout`` s; ``wake``: drain the wake-up too."""
+        for key, _ in self.selector.select(timeout):
+            if key.fileobj is self.wake_r:
+                if wake:
+                    try:
+                        while self.wake_r.recv(4096):
+                            pass
+                    except OSError:  # drained
+                        pass
+            elif key.fileobj in self.heads:
+                self._read(key.fileobj)
 
     def _read(self, conn) -> None:
         try:

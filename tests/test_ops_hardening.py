@@ -111,7 +111,7 @@ def test_probes_are_answered_while_strangers_hold_every_slot(servers, sockets):
     /healthz and /readyz from any address (the strangers' own included) are still answered, anything else gets
     503 without a thread."""
     ops = servers("127.0.0.1:0")
-    for i in range(48):
+    for i in range(120):  # 32 slots (8 an address), 64 in the probe lane, 24 displaced
         sockets(ops.port, source=f"127.0.0.{1 + i % 6}").sendall(HALF_SENT)
     for source in ("127.0.0.1", "127.0.0.9"):
         assert get_from(ops.port, "/healthz", source) == (200, b'{"alive": true}')
@@ -119,7 +119,7 @@ def test_probes_are_answered_while_strangers_hold_every_slot(servers, sockets):
         assert get_from(ops.port, "/metrics", source) == (503, b"too many connections\n")
     alive = 0
     for round in range(5):  # strangers opening half-sent requests between the probes: each displaces an older one
-        for i in range(16):
+        for i in range(70):
             sockets(ops.port, source=f"127.0.0.{10 + i % 4}").sendall(HALF_SENT)
         alive += get_from(ops.port, "/healthz", "127.0.0.1") == (200, b'{"alive": true}')
     assert alive == 5
@@ -169,13 +169,13 @@ class Reopener:
 def test_a_stranger_reopening_half_sent_requests_never_fails_a_probe(servers):
     """Every slot and the probe lane held, each connection the server closes opened again at once."""
     ops = servers("127.0.0.1:0")
-    stranger = Reopener(ops.port, 48, [f"127.0.0.{k}" for k in range(1, 7)])
+    stranger = Reopener(ops.port, 120, [f"127.0.0.{k}" for k in range(1, 7)])
     try:
         answers = [get_from(ops.port, "/healthz", "127.0.0.1") for _ in range(10)]
     finally:
         stranger.close()
     assert answers == [(200, b'{"alive": true}')] * 10
-    assert stranger.opened > 48  # the server closed some (the lane's oldest), and each was opened again
+    assert stranger.opened > 120  # the server closed some (the lane's oldest), and each was opened again
 
 
 @pytest.mark.timeout(120)
