@@ -114,7 +114,8 @@ def test_a_chunk_failing_its_hash_is_never_put_anywhere(blob, threads):
 
 
 class FakeNode:
-    """What the intake uses of a node: its store, the pull scheduler's verbs, stats, publish, the inbox."""
+    """What the intake uses of a node: its store, the pull scheduler's verbs, stats, publish, the inbox, and
+    its partners' links (by whose address a bad chunk is counted; none here)."""
 
     class Pull:
         def __init__(self):
@@ -127,6 +128,7 @@ class FakeNode:
 
     def __init__(self, store):
         self.store, self.stats, self.pull, self.published = store, Stats(), self.Pull(), []
+        self.partners = type("Partners", (), {"links": {}})()
         self.clock, self.fatal = time.monotonic, None
 
     def post(self, verb, body=b""):

@@ -7,6 +7,7 @@ Under ``$P2PW_CACHE_DIR`` (default ``~/.cache/p2pweights``)::
                                   of), its size, how long its fetch took, when it was used
     index/<model_id>.manifest.json  its manifest, so a complete copy is recognised without asking anyone
     failures/<key>.json           a join that failed for a cause that repeats, and until when not to retry it
+                                  (tied to a destination, the tracker that answered, the sources that failed)
     manifests/                    the seeder's manifest catalog (catalog.py)
 
 A copy is complete when its ``.p2pw/complete.json`` marker matches (``cache.marker_matches``).
