@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from p2pweights.ops import BUSY, LOOPBACK, ConnectionLimit, OpsError, OpsServer, ProbeLane, parse_http_addr  # noqa: E402
+from p2pweights.ops import (BUSY, LOOPBACK, ConnectionLimit, OpsError, OpsServer, ProbeLane, is_probe,  # noqa: E402
+                            parse_http_addr)
 
 SAFETY = 60  # seconds a test socket waits for the server before the test fails (never reached when it passes)
 HALF_SENT = b"GET /healthz HTTP/1.1\r\nHost: p2pw\r\n"  # no blank line: the request never ends
@@ -209,6 +210,9 @@ def test_probe_lane_displaces_the_oldest_and_expires():
     lane.release("c")
     lane.release("d")
     assert lane.wait(8.0) is None and BUSY.startswith(b"HTTP/1.0 503 ")
+    # what the lane answers: the probes (the agent's per model too); everything else is 503 there
+    assert all(map(is_probe, ("/healthz", "/readyz", "/readyz/ab12cd34")))
+    assert not any(map(is_probe, ("/metrics", "/models", "/healthzz", "/")))
 
 
 def test_port_alone_means_loopback_and_every_interface_is_named(servers):
