@@ -30,7 +30,7 @@ WINDOW_HELP = "first credit window of a link, until its rate is measured (then 0
 def size(text: str) -> int:
     """'4MiB', '4M', '4194304' -> bytes (an argparse type)."""
     from .errors import UserError
-    from .storage.modelcache import parse_size
+    from .storage.sizes import parse_size
 
     try:
         return parse_size(text)

@@ -28,6 +28,7 @@ import time
 from ..errors import UserError
 from ..sources.manifest import chunk_hasher
 from ..sources.source import SourceError
+from .sizes import parse_size  # the one size syntax of --memory-budget and P2PW_CACHE_SIZE
 
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -190,8 +191,6 @@ def memory_budget() -> int:
     env = os.environ.get("P2PW_MEMORY_BUDGET")
     if not env:
         return available_memory() // 2
-    from .modelcache import parse_size  # the one size syntax of --memory-budget and P2PW_CACHE_SIZE
-
     try:
         return parse_size(env)
     except UserError as e:
