@@ -384,7 +384,7 @@ def cmd_tracker(args) -> int:
     key = load_key(args.key)
     t = Tracking(port=args.port, host=args.host, key=key, topology=args.topology, advertise=args.advertise,
                  max_peers=args.max_peers, member_timeout=args.member_timeout, probe_port=args.probe_port,
-                 max_per_host=args.max_conns_per_host)
+                 max_per_host=args.max_conns_per_host, publish_from=args.publish_from)
     bind(http, t)
     say("serving", f"p2pw: tracker listening on {args.host}:{t.port}: a swarm per model published to it "
         f"(p2pw seed PATH --tracker HOST:{t.port}, p2pw get URL --tracker HOST:{t.port})", port=t.port)
@@ -397,7 +397,7 @@ def cmd_tracker(args) -> int:
 
 def cmd_get(args) -> int:
     from .api import join
-    from .origin import Origin, find, open_source
+    from .origin import Origin, trusted
     from .wire.local import agent_dir
 
     agent = agent_dir(args.agent)
@@ -408,9 +408,9 @@ def cmd_get(args) -> int:
     if not args.tracker:
         raise UserError("give --tracker HOST[:PORT], or --agent DIR (or P2PW_AGENT) for the node's agent")
     key = load_key(args.key)
-    m = find(args.tracker, args.url, key, wait=args.connect_timeout, published=args.manifest,
-             model_id=args.model_id)
-    source = None if args.no_origin else open_source(args.url, m, args.s3_concurrency, args.s3_range_size)
+    m, source = trusted(args.tracker, args.url, key, wait=args.connect_timeout, published=args.manifest,
+                        model_id=args.model_id, read_origin=not args.no_origin, s3_concurrency=args.s3_concurrency,
+                        s3_range_size=args.s3_range_size)
     origin = Origin(args.url, m, source)
     args.parent, args.model_id = args.tracker, m.model_id
     args.joiner = lambda parent, **kw: join(parent, origin=origin, **kw)
@@ -814,6 +814,9 @@ def _tracker_parser(sub) -> None:
                    help=f"drop a member not heard from for S seconds (default {MEMBER_TIMEOUT:g})")
     t.add_argument("--max-conns-per-host", type=positive, default=MAX_PER_HOST, metavar="N",
                    help=f"connections one address may hold with the tracker (default {MAX_PER_HOST})")
+    t.add_argument("--publish-from", metavar="ADDR[,ADDR...]",
+                   help="take PUBLISH only from these IPs or CIDRs (the operator's hosts); their swarms are never "
+                        "evicted for others' (default: anyone who reaches the port may publish)")
     t.add_argument("--ready", type=output_path, help="write {port} as JSON to this file once listening")
     _ops_flags(t)
     t.set_defaults(func=cmd_tracker)

@@ -1,12 +1,14 @@
 """Origin: fleets with no seeder, around a standalone tracker (``p2pw tracker``).
 
-The tracker knows each origin's manifest by its URL (``publish``, ``lookup``).
-``p2pw get URL --tracker HOST`` looks the manifest up (or publishes one given
-with ``--manifest``), opens the origin if this host can read it (``open_source``:
-an ``s3://`` prefix whose objects still have the manifest's ETags, a path
-whose files have its sizes, a Hugging Face repo in the local hub cache), and
-joins the swarm as an ordinary peer, reading the shares of the origin the
-tracker hands it when it can (``Origin.serve``).  ``p2pw seed PATH --tracker
+The tracker keeps the manifests published for each origin's URL (``publish``,
+``candidate``), a hint, not an authority.  ``p2pw get URL --tracker HOST`` takes
+only a manifest it can trust (``trusted``: the id it was given, one it checked
+against the origin, or a keyed fleet's), opens the origin if this host can read
+it (``open_source``: an ``s3://`` prefix whose objects have the manifest's
+sizes and ETags, a path whose files have its sizes and first and last chunks,
+a Hugging Face repo in the local hub cache), and joins the swarm as an
+ordinary peer, reading the shares of the origin the tracker hands it when it
+can (``Origin.serve``).  ``p2pw seed PATH --tracker
 HOST`` publishes its manifest and joins as a reader that serves what it reads
 and pulls nothing (``member_of``); several seeders of one model share the reading.
 """
@@ -19,7 +21,7 @@ import time
 
 import zmq
 
-from .errors import P2PError
+from .errors import P2PError, UserError
 from .sources.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
 from .wire import keys, protocol
 from .wire.context import node_context
@@ -107,9 +109,19 @@ def publish(tracker: str, url: str, manifest: Manifest, key=None, timeout: float
     return manifest.model_id
 
 
-def lookup(tracker: str, url: str, key=None, timeout: float = 5.0, model_id: str | None = None) -> Manifest | None:
-    """The manifest published at ``tracker`` for ``url`` (pinned to ``model_id`` if given), or None if none is."""
-    event = _ask(tracker, [protocol.control(Msg.LOOKUP, url=url)], key, timeout)
+class Mismatch(P2PError):
+    """The origin is readable here, and a manifest does not describe it."""
+
+
+def candidate(tracker: str, url: str, key=None, timeout: float = 5.0, model_id: str | None = None,
+              index: int = 0) -> tuple[Manifest, dict] | None:
+    """Candidate ``index`` of the manifests published at ``tracker`` for ``url``, or the one of ``model_id`` (a
+    64-hex ``url`` is a model id, never a URL), with the MANIFEST's fields (``count``, ``confirmed``); None if
+    none is.  The manifest's hash is checked against the id asked for (or the tracker's word for it)."""
+    want = model_id or (url if protocol.is_model_id(url) else None)
+    ask = {"url": url, **({"model_id": want.lower()} if want and protocol.is_model_id_prefix(want) else {}),
+           **({"index": index} if index else {})}
+    event = _ask(tracker, [protocol.control(Msg.LOOKUP, **ask)], key, timeout)
     if event.type == Msg.ERROR:
         if "no manifest published" in str(event.fields.get("message")):
             return None
@@ -117,29 +129,38 @@ def lookup(tracker: str, url: str, key=None, timeout: float = 5.0, model_id: str
     if event.type != Msg.MANIFEST:
         raise P2PError(f"{tracker} answered LOOKUP with {event.type.name}")
     try:
-        m = Manifest.from_wire(bytes(event.payload), expect_id=model_id or event.fields["model_id"])
+        m = Manifest.from_wire(bytes(event.payload), expect_id=want or event.fields["model_id"])
     except ManifestError as e:
         raise P2PError(f"{tracker}'s manifest for {url}: {e}") from None
-    return m
+    return m, event.fields
+
+
+def lookup(tracker: str, url: str, key=None, timeout: float = 5.0, model_id: str | None = None) -> Manifest | None:
+    """The manifest published at ``tracker`` for ``url`` (the first candidate, or ``model_id``'s), or None."""
+    found = candidate(tracker, url, key, timeout, model_id)
+    return found[0] if found is not None else None
 
 
 def find(tracker: str, url: str, key=None, wait: float = 30.0, published: str | None = None,
          model_id: str | None = None) -> Manifest:
     """The manifest of ``url``: ``published`` (a manifest file) is published first if the tracker knows none;
     else the tracker's, asked again each second for up to ``wait`` seconds."""
+    return _found(tracker, url, key, wait, published, model_id)[0]
+
+
+def _found(tracker, url, key, wait, published, model_id) -> tuple[Manifest, dict]:
     from .api import _read_manifest
 
     if published is not None:
         m = _read_manifest(published)
-        known = lookup(tracker, url, key, model_id=None)
-        if known is None or known.model_id != m.model_id:
+        if lookup(tracker, url, key, model_id=m.model_id) is None:
             publish(tracker, url, m, key)
-        return m
+        return m, {"count": 1}
     deadline, said = time.monotonic() + wait, time.monotonic()
     while True:
-        m = lookup(tracker, url, key, model_id=model_id)
-        if m is not None:
-            return m
+        found = candidate(tracker, url, key, model_id=model_id)
+        if found is not None:
+            return found
         if time.monotonic() > deadline:
             raise P2PError(f"no manifest published for {url} at {tracker} after {wait:g} s: publish one "
                            f"(p2pw manifest {url} --tracker {tracker}, p2pw seed {url} --tracker {tracker}, or "
@@ -151,18 +172,77 @@ def find(tracker: str, url: str, key=None, wait: float = 30.0, published: str | 
         time.sleep(LOOKUP_EVERY)
 
 
-def open_source(url: str, manifest: Manifest, s3_concurrency: int = 16, s3_range_size: int = 8 << 20):
+def trusted(tracker: str, url: str, key=None, *, wait: float = 30.0, published: str | None = None,
+            model_id: str | None = None, read_origin: bool = True, **reading) -> tuple[Manifest, object]:
+    """The manifest of ``url`` this host can trust, and its reader of the origin (None where it reads none).
+
+    Trusted is (a) the one whose hash is the id it was given (``model_id``, ``published``'s, a 64-hex ``url``);
+    (b) a candidate it checked against the origin itself (``open_source``, strict), walking the tracker's
+    candidates past those that do not match; (c) in a keyed fleet (``key``), the tracker's first where this host
+    cannot read the origin.  Else one P2PError saying which to add."""
+    if model_id is not None and not protocol.is_model_id_prefix(model_id):
+        raise P2PError(f"--model-id {model_id[:80]}: give the model id (64 hex digits, or at least the first 16)")
+    pinned = published is not None or model_id is not None or protocol.is_model_id(url)
+    m, fields = _found(tracker, url, key, wait, published, model_id)
+    if pinned:
+        read = read_origin and not protocol.is_model_id(url)
+        return m, open_source(url, m, **reading) if read else None
+    count, refused = max(1, int(fields.get("count") or 1)), []
+    for index in range(count):
+        if index:
+            found = candidate(tracker, url, key, model_id=model_id, index=index)
+            if found is None:
+                break
+            m = found[0]
+        if not read_origin:
+            break
+        try:
+            source = open_source(url, m, strict=True, **reading)
+        except Mismatch as e:
+            log.warning("the manifest of %s published at %s as model %s is not the origin's (%s): trying the next",
+                        url, tracker, m.model_id[:16], str(e).splitlines()[0][:300])
+            refused.append(m.model_id)
+            continue
+        if source is not None:
+            return m, source
+        break  # this host cannot read the origin: every candidate alike
+    if refused:
+        raise P2PError(f"none of the {len(refused)} manifests published for {url} at {tracker} describes the "
+                       f"origin as this host reads it: publish its own (p2pw manifest {url} --tracker {tracker})")
+    if key is not None:
+        first = candidate(tracker, url, key, model_id=model_id)
+        if first is None:
+            raise P2PError(f"no manifest published for {url} at {tracker} any more")
+        return first[0], None
+    raise P2PError(f"the manifest of {url} published at {tracker} is not one this host can trust: give --model-id "
+                   f"ID, credentials to read the origin, or --key")
+
+
+def open_source(url: str, manifest: Manifest, s3_concurrency: int = 16, s3_range_size: int = 8 << 20,
+                strict: bool = False):
     """A reader of the origin at ``url`` that still holds ``manifest``'s files, or None (said why) where this
-    host cannot read it: no credentials, no such path, files changed since the manifest was made."""
+    host cannot read it: no credentials, no such path, files changed since the manifest was made.
+
+    ``strict`` (a manifest from the tracker, not pinned by id): where the origin is readable but ``manifest``
+    does not describe it (a size, an ETag missing or not equal, a path's first or last chunk not its hash),
+    Mismatch is raised instead."""
     from .sources.objstore import is_s3
     from .sources.source import BlobSource
+
+    def mismatch(e: Exception):
+        if strict:
+            raise Mismatch(str(e) or type(e).__name__) from None
+        return _unread(url, e)
 
     try:
         if is_s3(url):
             from .sources.objstore import S3Checkpoint
 
             ckpt = S3Checkpoint(url, s3_concurrency, s3_range_size)
-            ckpt.check(manifest, "the published manifest")
+            try:
+                ckpt.check(manifest, "the published manifest", etags=strict)
+            except UserError as e:  # ObjectStoreError: not these objects
+                return mismatch(e)
             return ckpt.source(manifest.files)
         path = url
         if not os.path.exists(path):
@@ -171,15 +251,46 @@ def open_source(url: str, manifest: Manifest, s3_concurrency: int = 16, s3_range
             if not hfcache.parse_repo_ref(url):
                 raise P2PError(f"{url}: no such file or directory here")
             path, _ = hfcache.resolve(url)
-        for f in manifest.files:
-            full = os.path.join(path, f["name"]) if os.path.isdir(path) else path
-            if os.path.getsize(full) != f["size"]:
-                raise P2PError(f"{full} is not the size the manifest says ({f['size']} bytes)")
+        try:
+            for f in manifest.files:
+                full = os.path.join(path, f["name"]) if os.path.isdir(path) else path
+                if os.path.getsize(full) != f["size"]:
+                    raise P2PError(f"{full} is not the size the manifest says ({f['size']} bytes)")
+            if strict and not _ends_match(path, manifest):
+                raise P2PError(f"{path}: its first or last chunk is not the manifest's hash")
+        except (P2PError, OSError) as e:
+            return mismatch(e)
         return BlobSource(path, manifest.files)
-    except (P2PError, OSError, ImportError) as e:  # UserErrors (no credentials, access denied) included
-        log.warning("not reading the origin %s here (%s): taking every chunk from peers", url,
-                    str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
-        return None
+    except (UserError, OSError, ImportError) as e:  # no credentials, access denied, no such bucket
+        if isinstance(e, Mismatch):
+            raise
+        return _unread(url, e)
+
+
+def _unread(url: str, e: Exception) -> None:
+    log.warning("not reading the origin %s here (%s): taking every chunk from peers", url,
+                str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+    return None
+
+
+def _ends_match(path: str, manifest: Manifest) -> bool:
+    """Whether the first and last chunks of the files at ``path`` are ``manifest``'s (read here, not counted as
+    the origin's reading): a manifest with the right sizes and other bytes' hashes is found out before any
+    peer's copy is taken."""
+    from .sources.manifest import chunk_hasher
+    from .sources.source import BlobSource
+
+    if not manifest.n_chunks:
+        return True
+    probe, digest = BlobSource(path, manifest.files), chunk_hasher(manifest.hash)
+    try:
+        for i in sorted({0, manifest.n_chunks - 1}):
+            lo, hi = manifest.chunk_span(i)
+            if not probe.read_chunk(manifest, i, memoryview(bytearray(hi - lo)), digest):
+                return False
+        return True
+    finally:
+        probe.close()
 
 
 def member_of(s, tracker: str, *, host: str, port: int, advertise: str | None, window: int, key,
@@ -225,20 +336,22 @@ class Tracking:
 
     def __init__(self, *, port: int = 7420, host: str = "0.0.0.0", key=None, topology: str = "forest:2",
                  advertise: str | None = None, max_peers: int = 10_000, member_timeout: float | None = None,
-                 probe_port: int = 0, max_per_host: int | None = None):
+                 probe_port: int = 0, max_per_host: int | None = None, publish_from: str | None = None):
         from .api import _probe_sink, parse_addr
         from .swarm.node import bind_router
         from .swarm.registry import Registry
         from .swarm.topology import make
-        from .swarm.trackerd import TrackerServer
+        from .swarm.publishers import Publishers
+        from .swarm.trackerd import MAX_MESSAGE, TrackerServer
 
         if not hasattr(make(topology), "place"):  # a bad name fails before anything listens
             raise P2PError(f"--topology {topology}: a tracker with no seeder places forest:K plans only (a rule-based "
                            "plan hangs every tree off a seeder)")
+        publishers = Publishers.parse(publish_from)
         self.ctx = zmq.Context()
         self.gate = keys.gate(self.ctx, key)
         try:
-            router, self.port = bind_router(self.ctx, host, port, key)
+            router, self.port = bind_router(self.ctx, host, port, key, max_msg=MAX_MESSAGE)
         except BaseException:
             self.gate and self.gate.stop()
             self.ctx.term()
@@ -249,7 +362,8 @@ class Tracking:
                                  member_timeout=member_timeout, max_peers=max_peers)
         if self.probe_sink is not None:
             self.registry.probe_port = self.probe_sink.port
-        self.node = TrackerServer(router, self.registry, **({"max_per_host": max_per_host} if max_per_host else {}))
+        self.node = TrackerServer(router, self.registry, publishers=publishers,
+                                  **({"max_per_host": max_per_host} if max_per_host else {}))
         self.node.start()
 
     def close(self) -> None:

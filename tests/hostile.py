@@ -80,3 +80,17 @@ class Redirector:
         self.thread.join(5)
         self.sock.close(0)
         self.ctx.term()
+
+
+def publish(port: int, url: str, manifest, source: str | None = None, hello: bool = False,
+            ctx: zmq.Context | None = None) -> tuple[protocol.Event | None, "Stranger"]:
+    """A stranger (from loopback address ``source``) publishes ``manifest`` for ``url`` at the tracker on ``port``;
+    with ``hello``, it then joins that model's swarm as a member that heartbeats nothing.  The answer (to the
+    HELLO where asked, else to the PUBLISH) and the open connection, for the test to close."""
+    s = Stranger(port, ctx, source)
+    s.raw(protocol.control(Msg.PUBLISH, url=url), manifest.wire_bytes())
+    answer = s.answer(10)
+    if hello and answer is not None and answer.type == Msg.PUBLISHED:
+        answer = s.ask(Msg.HELLO, 10, peer_id=f"stranger-{manifest.model_id[:8]}", listen="127.0.0.1:9",
+                       model_id=manifest.model_id)
+    return answer, s

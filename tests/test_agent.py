@@ -104,7 +104,7 @@ def test_an_agent_restarted_mid_download_resumes_and_keeps_serving(procs, tmp_pa
     os.kill(seed.pid, signal.SIGTERM)  # the agent is the only holder left: a late host takes it all from it
     assert seed.wait(30) == 0
     late = procs.start("get", path, "--tracker", f"127.0.0.1:{port}", "--host", "127.0.0.1", "--no-origin",
-                       "--out", tmp_path / "late", "-q", "--report", tmp_path / "late.json")
+                       "--model-id", mid, "--out", tmp_path / "late", "-q", "--report", tmp_path / "late.json")
     assert late.wait(120) == 0, late.output()
     assert same_tree(path, tmp_path / "late") == []
     assert status(cache)[mid]["sent_bytes"] >= m["total"]

@@ -54,6 +54,11 @@ def publish(port, path, *extra, env=None):
     return r
 
 
+def published_id(r) -> str:
+    """The model id ``p2pw manifest --tracker`` says it published."""
+    return r.stdout.split("(model id ")[1].split(")")[0]
+
+
 def size_of(root) -> int:
     return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(root) for n in names)
 
@@ -69,11 +74,11 @@ def test_two_readers_read_each_byte_once_and_a_host_without_credentials_complete
         s3.upload(moto.client(), model_dir, bucket, "model/")
         url = f"s3://{bucket}/model"
         _, port = start_tracker(procs, tmp_path)
-        publish(port, url, env=s3.s3_env(moto.url))  # straight to the server: not counted below
+        mid = published_id(publish(port, url, env=s3.s3_env(moto.url)))  # straight to the server: not counted below
         proxy = s3.FaultProxy(moto.port, [])  # records every ranged GET the readers make
         readers = [get(procs, url, port, tmp_path / f"r{k}", "--s3-range-size", "1MiB", env=s3.s3_env(proxy.url))
                    for k in range(2)]
-        blind = get(procs, url, port, tmp_path / "blind", env={
+        blind = get(procs, url, port, tmp_path / "blind", "--model-id", mid, env={  # trusts the id it is given
             "AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
             "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
             "AWS_EC2_METADATA_DISABLED": "true"})
@@ -111,11 +116,11 @@ def test_a_tracker_restarted_mid_broadcast_loses_nobody(procs, tmp_path):
     model = tmp_path / "model"
     write_synthetic_model(model, size_mb=8, shards=2)
     tracker, port = start_tracker(procs, tmp_path)
-    publish(port, model)
+    mid = published_id(publish(port, model))
     # one seeder reads the origin, slowly (each chunk it sends waits 150 ms); two hosts take it from the swarm
     seeder = procs.start("seed", model, "--tracker", f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", 0,
                          "--chunk-size", CHUNK, env={"P2PW_FAULTS": "delay_send=150"})  # the manifest published
-    joined = [get(procs, model, port, tmp_path / f"p{k}", "--no-origin") for k in range(2)]
+    joined = [get(procs, model, port, tmp_path / f"p{k}", "--no-origin", "--model-id", mid) for k in range(2)]
     deadline = time.monotonic() + 60
     while not progress(tmp_path / "p0").get("bytes"):
         assert time.monotonic() < deadline and joined[0].popen.poll() is None, (joined[0].output(), seeder.output())
@@ -124,7 +129,7 @@ def test_a_tracker_restarted_mid_broadcast_loses_nobody(procs, tmp_path):
     os.kill(tracker.pid, signal.SIGKILL)
     tracker.popen.wait(10)
     start_tracker(procs, tmp_path, port=port, name="tracker2")  # empty: rebuilt from the members
-    late = get(procs, model, port, tmp_path / "late", "--no-origin")  # finds the manifest members published again
+    late = get(procs, model, port, tmp_path / "late", "--no-origin", "--model-id", mid)  # published again by members
     for p in (*joined, late):
         assert p.wait(150) == 0, p.output()
     for name in ("p0", "p1", "late"):
@@ -145,7 +150,9 @@ def test_a_tracker_serving_three_models_keeps_their_swarms_apart(procs, tmp_path
         models.append(tmp_path / f"model{k}")
         procs.start("seed", models[k], "--tracker", f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", 0,
                     "--chunk-size", CHUNK, "--manifest", _manifest(tmp_path, models[k]))
-    gets = [(k, j, get(procs, models[k], port, tmp_path / f"m{k}-{j}", *(["--no-origin"] if j else [])))
+    ids = [Manifest.from_json(open(_manifest(tmp_path, m)).read()).model_id for m in models]
+    gets = [(k, j, get(procs, models[k], port, tmp_path / f"m{k}-{j}",
+                       *(["--no-origin", "--model-id", ids[k]] if j else [])))  # one checks the origin, one the id
             for k in range(3) for j in range(2)]
     for k, j, p in gets:
         assert p.wait(120) == 0, p.output()

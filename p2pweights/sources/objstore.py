@@ -501,9 +501,11 @@ class S3Checkpoint:
         files = [dict(f, etag=f.get("etag") or listed.get(f["name"])) for f in (files or self.files)]
         return S3Source(self.s3, self.url.bucket, self.keys, files, self.concurrency, self.range_size)
 
-    def check(self, manifest: Manifest, label: str) -> Manifest:
+    def check(self, manifest: Manifest, label: str, etags: bool = False) -> Manifest:
         """``manifest`` (read from ``label``), once checked to describe these objects: every file listed with
-        its size, and the ETag it records (an object changed since is reported and not served: ObjectChanged)."""
+        its size, and the ETag it records (an object changed since is reported and not served: ObjectChanged).
+        ``etags``: a file it records no ETag for, where the object has one, is refused too (a manifest from
+        elsewhere is only this checkpoint's if its ETags say so)."""
         listed = {f["name"]: f for f in self.files}
         for f in manifest.files:
             have = listed.get(f["name"])
@@ -511,6 +513,9 @@ class S3Checkpoint:
                 found = "missing" if have is None else f"{have['size']} bytes"
                 raise ObjectStoreError(f"{label} does not describe {self.url}: {f['name']} is {found}, "
                                        f"the manifest says {f['size']} bytes")
+            if etags and have.get("etag") and not f.get("etag"):
+                raise ObjectStoreError(f"{label} records no ETag for {f['name']} ({self.where(f['name'])} has "
+                                       f"one): it cannot be checked against {self.url}")
             if f.get("etag") and f["etag"] != have["etag"]:
                 raise ObjectChanged(f"{self.where(f['name'])} changed since {label} was made (ETag {have['etag']}, "
                                     f"the manifest records {f['etag']}): not serving it; make the manifest again "

@@ -398,15 +398,17 @@ class Node:
         self.router.close(0)
 
 
-def bind_router(ctx: zmq.Context, host: str, port: int, key: keys.FleetKey | None = None) -> tuple[zmq.Socket, int]:
-    """A ROUTER bound on host:port (port 0 picks a free one), CURVE-secured with ``key``; returns it and its port
+def bind_router(ctx: zmq.Context, host: str, port: int, key: keys.FleetKey | None = None,
+                max_msg: int = ROUTER_MAX_MSG) -> tuple[zmq.Socket, int]:
+    """A ROUTER bound on host:port (port 0 picks a free one), CURVE-secured with ``key``, taking messages of up to
+    ``max_msg`` bytes (set before bind: each connection keeps the limit in force then); returns it and its port
     (P2PError, the socket closed, where it cannot listen there)."""
     sock = ctx.socket(zmq.ROUTER)
     keys.secure_server(sock, key)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    sock.setsockopt(zmq.MAXMSGSIZE, ROUTER_MAX_MSG)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
     sock.setsockopt(zmq.SNDHWM, 2 * MAX_WINDOW)
     try:
         if port:

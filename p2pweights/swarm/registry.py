@@ -1,8 +1,15 @@
 """Registry: the swarms of a standalone tracker, one per model id, on one port (sans-IO).
 
 A manifest arrives with PUBLISH (an origin's URL and the manifest's canonical
-bytes, checked by the strict validator) and opens the swarm of its model id;
-LOOKUP answers the manifest last published for a URL (or of a model id).  A HELLO names its
+bytes, checked by the strict validator) and opens the swarm of its model id.
+The tracker is a hint, not an authority: a URL keeps every candidate manifest
+published for it (first come, at most MAX_CANDIDATES, PER_SOURCE from one
+address), those an origin reader joined (confirmed) first, and a publish never
+replaces a confirmed one; LOOKUP answers candidate ``index`` of a URL's, or
+the swarm of a model id (a 64-hex ``url`` or ``model_id``: ids only), and the
+asker checks what it is given.  One address opens at most MAX_OPENED swarms;
+when the table is full, a swarm with no origin reader and no complete member
+makes room first (an operator's, from ``--publish-from``, only for the operator).  A HELLO names its
 swarm by the full model id; from then on its connection speaks to that swarm
 only (one member per connection, as in the seeder's tracker), so a peer of
 one model is never placed with, nor told of, another's.  Each swarm is a
@@ -20,17 +27,20 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 from ..sources.manifest import Manifest, ManifestError
 from ..wire import protocol
-from ..wire.protocol import Msg, ProtocolError
+from ..wire.protocol import MAX_CANDIDATES, Msg, ProtocolError, is_model_id, is_model_id_prefix
 from .endpoint import REVIEW_INTERVAL, TrackerEndpoint
 from .rootless import RootlessTracker
 from .shares import OriginShares
 
 log = logging.getLogger("p2pw")
 
-MAX_SWARMS = 256  # models one tracker serves at once; the least lately used one with no live member makes room
+MAX_SWARMS = 256  # models one tracker serves at once; see ``Registry._room`` for which makes room
+MAX_OPENED = 16  # swarms one source address may have opened at once (the operator's: no cap)
+PER_SOURCE = 2  # candidate manifests one source address may hold under one URL
 NOT_A_MEMBER = "not a member here (the tracker restarted?): introduce yourself"
 NO_SWARM = "no swarm for model"
 
@@ -69,15 +79,28 @@ class Swarm:
                 self.endpoint._send(ident, protocol.control(Msg.SHARE, chunks=chunks))
 
 
+@dataclass
+class Candidate:
+    """A manifest published for a URL: its model id, the address it came from, whether a reader confirmed it."""
+
+    model_id: str
+    source: str
+    operator: bool = False
+    confirmed: bool = False
+
+
 class Registry:
-    """Swarms by model id, origin URLs to model ids, member connections to their swarm."""
+    """Swarms by model id, origin URLs to their candidate manifests, member connections to their swarm."""
 
     def __init__(self, make_topology, root_listen: str = "", clock=time.monotonic, keyed: bool = False,
-                 member_timeout: float | None = None, max_peers: int = 10_000, max_swarms: int = MAX_SWARMS):
+                 member_timeout: float | None = None, max_peers: int = 10_000, max_swarms: int = MAX_SWARMS,
+                 max_opened: int = MAX_OPENED):
         self.make_topology, self.root_listen, self.clock = make_topology, root_listen, clock
         self.keyed, self.member_timeout, self.max_peers, self.max_swarms = keyed, member_timeout, max_peers, max_swarms
+        self.max_opened = max_opened
         self.swarms: dict[str, Swarm] = {}
-        self.urls: dict[str, str] = {}  # origin URL -> model id of the manifest last published for it
+        self.urls: dict[str, list[Candidate]] = {}  # origin URL -> its candidate manifests, first come first
+        self.opened: dict[str, Candidate] = {}  # model id -> who opened its swarm
         self.conns: dict[bytes, str] = {}  # member connection -> its swarm's model id
         self.out: list[tuple[bytes, list]] = []
         self.probe_port = 0
@@ -105,27 +128,70 @@ class Registry:
 
     # ----- manifests ---------------------------------------------------------
 
-    def publish(self, ident: bytes, f: dict, payload) -> bool:
-        """PUBLISH: the manifest of the origin at ``url``; opens its swarm.  Answered PUBLISHED."""
+    def publish(self, ident: bytes, f: dict, payload, source: str = "local", operator: bool = False) -> bool:
+        """PUBLISH from address ``source`` (``operator``: a --publish-from one): a candidate manifest of the
+        origin at ``url``; opens its swarm.  Answered PUBLISHED, or an ERROR saying which cap refused it."""
         try:
             manifest = Manifest.from_wire(bytes(payload))
         except ManifestError as e:
             raise ProtocolError(f"PUBLISH of a manifest that is not valid: {e}") from None
-        mid = manifest.model_id
+        mid, url = manifest.model_id, f["url"]
+        if is_model_id(url):
+            return self.refuse(ident, f"{url[:16]}... is a model id, not an origin's URL: publish under the URL")
+        cand = Candidate(mid, source, operator)
+        why = self._placed(url, cand, dry=True)
+        if why is None and mid not in self.swarms:
+            if not operator and sum(c.source == source for c in self.opened.values()) >= self.max_opened:
+                why = f"{source} opened {self.max_opened} swarms here already (at most {self.max_opened} an address)"
+            elif not self._room(operator):
+                why = f"this tracker serves {len(self.swarms)} models, each with live members: no room for another"
+        if why is not None:
+            return self.refuse(ident, why)
         if mid not in self.swarms:
-            if not self._room():
-                self._send(ident, protocol.control(Msg.ERROR, fatal=True, message=(
-                    f"this tracker serves {len(self.swarms)} models, each with live members: no room for another")))
-                return False
-            self.swarms[mid] = self._swarm(manifest)
-            log.info("model %s published for %s: %d chunks of %d bytes", mid[:16], f["url"], manifest.n_chunks,
-                     manifest.chunk_size)
-        if self.urls.get(f["url"]) not in (None, mid):
-            log.warning("%s now names model %s (it named %s)", f["url"], mid[:16], self.urls[f["url"]][:16])
-        self.urls[f["url"]] = mid
+            self.swarms[mid], self.opened[mid] = self._swarm(manifest), cand
+            log.info("model %s published for %s from %s: %d chunks of %d bytes", mid[:16], url, source,
+                     manifest.n_chunks, manifest.chunk_size)
+        self._placed(url, cand)
         self.swarms[mid].used = self.clock()
         self._send(ident, protocol.control(Msg.PUBLISHED, model_id=mid))
         return ident in self.conns
+
+    def refuse(self, ident: bytes, why: str) -> bool:
+        """One ERROR, ``why``, to ``ident``, which keeps no state here."""
+        self._send(ident, protocol.control(Msg.ERROR, fatal=True, message=why))
+        return False
+
+    def _placed(self, url: str, cand: Candidate, dry: bool = False) -> str | None:
+        """Put ``cand`` among ``url``'s candidates (``dry``: only say whether it fits); why not, or None.  One of its
+        source's own unconfirmed ones makes way past PER_SOURCE, the oldest unconfirmed one past MAX_CANDIDATES;
+        a confirmed or operator's candidate is never replaced."""
+        cands = self.urls.get(url, [])
+        same = [c for c in cands if c.model_id == cand.model_id]
+        if same:
+            if not dry:
+                same[0].operator |= cand.operator
+            return None
+        spare = [c for c in cands if not (c.confirmed or c.operator)]
+        if not cand.operator and sum(c.source == cand.source for c in cands) >= PER_SOURCE:
+            spare = [c for c in spare if c.source == cand.source]
+            if not spare:
+                return f"{cand.source} published {PER_SOURCE} manifests for {url} already, each confirmed"
+        elif len(cands) < MAX_CANDIDATES:
+            spare = []
+        elif not spare:
+            return f"{url} has {len(cands)} manifests confirmed by its readers: no room for another"
+        if not dry:
+            if spare:
+                log.warning("%s: the manifest of model %s (from %s) makes way for model %s (from %s)", url,
+                            spare[0].model_id[:16], spare[0].source, cand.model_id[:16], cand.source)
+                cands.remove(spare[0])
+            self.urls[url] = [*cands, cand]
+        return None
+
+    def candidates(self, url: str) -> list[Candidate]:
+        """``url``'s candidates of a live swarm: confirmed (or the operator's) first, then first come."""
+        cands = [c for c in self.urls.get(url, []) if c.model_id in self.swarms]
+        return sorted(cands, key=lambda c: not (c.confirmed or c.operator))
 
     def _swarm(self, manifest: Manifest) -> Swarm:
         s = Swarm(manifest, self.make_topology(manifest.n_chunks), self.root_listen, self.clock,
@@ -135,28 +201,53 @@ class Registry:
             s.endpoint.member_timeout = self.member_timeout
         return s
 
-    def _room(self) -> bool:
-        """Whether a new swarm fits, evicting the least lately used swarm with no live member if need be."""
+    def _room(self, operator: bool = False) -> bool:
+        """Whether a new swarm fits, evicting one if need be: the least lately used with no origin reader and no
+        complete member (live members or not), else the least lately used with no live member; an operator's
+        swarm makes room only for the operator."""
         if len(self.swarms) < self.max_swarms:
             return True
-        idle = [(s.used, mid) for mid, s in self.swarms.items() if not s.live]
-        if not idle:
+        mine = [(s.used, mid) for mid, s in self.swarms.items() if operator or not self.opened[mid].operator]
+        unproven = [x for x in mine if not self._proven(self.swarms[x[1]])]
+        idle = [x for x in mine if not self.swarms[x[1]].live]
+        if not (unproven or idle):
             return False
-        mid = min(idle)[1]
-        del self.swarms[mid]
-        self.urls = {u: m for u, m in self.urls.items() if m != mid}
+        mid = min(unproven or idle)[1]
+        log.warning("model %s (opened from %s) evicted: room for another", mid[:16], self.opened[mid].source)
+        del self.swarms[mid], self.opened[mid]
+        self.urls = {u: kept for u, cs in self.urls.items() if (kept := [c for c in cs if c.model_id != mid])}
+        self.conns = {i: m for i, m in self.conns.items() if m != mid}  # its members are told to introduce again
         return True
 
+    @staticmethod
+    def _proven(s: Swarm) -> bool:
+        """Whether swarm ``s`` has an origin reader or a member holding the whole model."""
+        return bool(s.shares.readers) or any(m.done and not m.left for m in s.tracker.members.values())
+
     def lookup(self, ident: bytes, f: dict) -> bool:
-        """LOOKUP: the manifest last published for ``url`` (MANIFEST), or an ERROR saying none is."""
-        mid = self.urls.get(f["url"])
-        if mid is None and f["url"].lower() in self.swarms:  # a model id: its swarm's manifest, by whatever URL
-            mid = f["url"].lower()
-        if mid is None or mid not in self.swarms:
-            self._send(ident, protocol.control(Msg.ERROR, message=f"no manifest published for {f['url']}"))
+        """LOOKUP: the swarm of a model id (a 64-hex ``url``, or ``model_id``), else candidate ``index`` of those
+        published for ``url`` (MANIFEST, with their ``count``); or an ERROR saying none is."""
+        url, want = f["url"], f.get("model_id") or None
+        if is_model_id(url):
+            want = url
+        if want is not None:
+            mid = want.lower()
+            if mid not in self.swarms and is_model_id_prefix(mid):  # a prefix pins one swarm, if only one has it
+                named = [m for m in self.swarms if m.startswith(mid)]
+                mid = named[0] if len(named) == 1 else mid
+            picked = next((c for c in self.candidates(url) if c.model_id == mid), Candidate(mid, ""))
+            index, count = 0, 1
         else:
-            self._send(ident, protocol.control(Msg.MANIFEST, url=f["url"], model_id=mid),
-                       self.swarms[mid].endpoint.manifest_frame)
+            cands, index = self.candidates(url), f.get("index") or 0
+            picked, count = (cands[index] if index < len(cands) else None), len(cands)
+        if picked is None or picked.model_id not in self.swarms:
+            self._send(ident, protocol.control(Msg.ERROR, message=(
+                f"no manifest published for {url}" + (f" of model {want[:64]}" if want else "") +
+                (f" past the {count} there are" if index and count else ""))))
+        else:
+            self._send(ident, protocol.control(Msg.MANIFEST, url=url, model_id=picked.model_id, index=index,
+                                               count=count, confirmed=picked.confirmed or picked.operator),
+                       self.swarms[picked.model_id].endpoint.manifest_frame)
         return False  # answered: the asker holds no state here
 
     # ----- members -----------------------------------------------------------
@@ -180,7 +271,9 @@ class Registry:
         rank = s.endpoint.members[ident]
         if f.get("pulls") is False:
             s.tracker.pulls_nothing(rank)
-        if f.get("origin") is True:
+        if f.get("origin") is True:  # a reader of the origin joined: every URL naming this model confirms it
+            for c in (c for cs in self.urls.values() for c in cs if c.model_id == mid):
+                c.confirmed = True
             s.shares.register(rank)
             s.tracker.add_reader(rank)
             s.endpoint._announce()
@@ -205,7 +298,8 @@ class Registry:
         found = [s for m, s in self.swarms.items() if m.startswith(mid)] if mid else list(self.swarms.values())
         if len(found) == 1:
             return found[0].endpoint.status(ident, f)
-        swarms = [{"model_id": m, "urls": sorted(u for u, x in self.urls.items() if x == m),
+        named = {(u, c.model_id) for u, cs in self.urls.items() for c in cs}
+        swarms = [{"model_id": m, "urls": sorted(u for u, x in named if x == m),
                    "peers": s.live, "done": s.endpoint.fleet.done, "total_size": s.endpoint.manifest.total_size}
                   for m, s in sorted(self.swarms.items()) if not mid or m.startswith(mid)]
         doc = {"model_id": None, "n_chunks": 0, "total_size": 0, "count": 0, "peers": [], "swarms": swarms}

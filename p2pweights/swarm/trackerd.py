@@ -5,7 +5,8 @@ against its connection's state table, and hands it to the ``registry``, which
 routes it to the swarm of its model id.  Every half second it heartbeats
 every member, reviews each swarm's rates and publishes its fleet snapshot.
 A malformed message costs its sender one ERROR (after 32, it is ignored),
-never the loop; connections per address are capped (``admission``).  It moves
+never the loop; connections per address are capped (``admission``), and a
+PUBLISH from an address ``publishers`` does not list gets one ERROR.  It moves
 no chunk bytes: its memory is the swarms' manifests and membership.
 """
 from __future__ import annotations
@@ -22,6 +23,9 @@ from ..wire.protocol import SERVER_TRANSITIONS, Connection, Msg, ProtocolError
 from .admission import MAX_PER_HOST, Admission
 from .handlers import MAX_BAD_MESSAGES, _peer_address
 from .node import HEARTBEAT_INTERVAL, IDLE_FORGET, TIMER_INTERVAL
+from .publishers import Publishers
+
+MAX_MESSAGE = MAX_MANIFEST_BYTES + (64 << 10)  # the tracker's ROUTER takes a PUBLISH of the largest manifest
 
 log = logging.getLogger("p2pw")
 
@@ -29,9 +33,10 @@ log = logging.getLogger("p2pw")
 class TrackerServer:
     """Serves the ``registry``'s swarms on ``router`` (bound by ``node.bind_router``) from a thread of its own."""
 
-    def __init__(self, router: zmq.Socket, registry, max_per_host: int = MAX_PER_HOST, clock=time.monotonic):
+    def __init__(self, router: zmq.Socket, registry, max_per_host: int = MAX_PER_HOST, clock=time.monotonic,
+                 publishers: Publishers | None = None):
         self.router, self.registry, self.clock = router, registry, clock
-        router.setsockopt(zmq.MAXMSGSIZE, MAX_MANIFEST_BYTES + (64 << 10))  # PUBLISH carries a manifest
+        self.publishers = publishers or Publishers()
         self.admission = Admission(max_per_host)
         self.conns: dict[bytes, Connection] = {}
         self.bad: dict[bytes, int] = {}
@@ -98,7 +103,12 @@ class TrackerServer:
     def _handle(self, ident: bytes, event) -> None:
         reg, kind = self.registry, event.type
         if kind == Msg.PUBLISH:
-            keep = reg.publish(ident, event.fields, event.payload)
+            where = self.admission.host.get(ident, "local")
+            if not self.publishers.allows(where):
+                keep = reg.refuse(ident, f"{where} may not publish here (this tracker takes manifests from its "
+                                         "--publish-from addresses only)")
+            else:
+                keep = reg.publish(ident, event.fields, event.payload, where, self.publishers.operator(where))
         elif kind in reg.HANDLERS:
             keep = reg.HANDLERS[kind](reg, ident, event.fields)
         else:

@@ -30,10 +30,11 @@ snapshot (any other node answers REDIRECT to the tracker).
 
 A standalone tracker (``p2pw tracker``) serves one swarm per model id on one
 port.  Its manifests come from PUBLISH (the origin's URL and the manifest's
-canonical bytes); LOOKUP asks for the one published for a URL (MANIFEST), and
-a HELLO names the swarm by its full ``model_id``.  A member that can read the
-origin says ``origin`` in its HELLO: the tracker hands it SHARE after SHARE of
-the chunks nobody holds yet, disjoint from every other reader's, and the reader
+canonical bytes); LOOKUP asks for one of those published for a URL (MANIFEST:
+candidate ``index`` of ``count``) or for a model id, and a HELLO names the
+swarm by its full ``model_id``.  A member that can read the origin says
+``origin`` in its HELLO: the tracker hands it SHARE after SHARE of the chunks
+nobody holds yet, disjoint from every other reader's, and the reader
 reports with READ what it holds of them, so the origin is read about once.
 
 Trust.  Every field a message carries is checked here before any handler sees
@@ -68,6 +69,16 @@ YOUNG = 2.0  # seconds after a join in which the peer reports twice as often, an
 MAX_URL = 1024  # characters of an origin's URL
 MAX_SECRET = 64  # hex digits of a member's secret or a ticket
 HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]")  # a name, an IPv4 address, or an IPv6 one in brackets
+
+
+def is_model_id(text: str) -> bool:
+    """Whether ``text`` spells a model id (64 hex digits): asked for, it names a model, never a URL."""
+    return len(text) == 64 and re.fullmatch(r"[0-9a-fA-F]{64}", text) is not None
+
+
+def is_model_id_prefix(text: str) -> bool:
+    """Whether ``text`` is a model id or at least its first 16 hex digits (enough to pin one)."""
+    return re.fullmatch(r"[0-9a-fA-F]{16,64}", text) is not None
 
 
 def valid_host(host: str) -> bool:
@@ -118,8 +129,8 @@ class Msg(IntEnum):
     READ = 23       # origin reader -> tracker: {chunks}: of its share (or, once welcomed, of all) it holds now
     PUBLISH = 24    # anyone -> standalone tracker: {url} + manifest frame: the manifest of the origin at url
     PUBLISHED = 25  # tracker -> publisher: {model_id}
-    LOOKUP = 26     # anyone -> standalone tracker, on a fresh connection: {url}
-    MANIFEST = 27   # tracker -> asker: {url, model_id} + manifest frame (the canonical bytes)
+    LOOKUP = 26     # anyone -> standalone tracker, on a fresh connection: {url, model_id?, index?}
+    MANIFEST = 27   # tracker -> asker: {url, model_id, index?, count?, confirmed?} + manifest frame (canonical bytes)
     LANE = 28       # peer -> partner, on another connection once ATTACHED: {peer_id, rank, model_id, ticket?, lane}:
     #                 carry chunks for my link here too (``swarm.lanes``)
     LANE_OK = 29    # partner -> peer, on that connection: {lane}
@@ -184,6 +195,22 @@ def _chunks(f: dict) -> None:
         raise ProtocolError(f"'chunks' is not a list of at most {MAX_REQUEST} chunk indices")
 
 
+MAX_CANDIDATES = 8  # manifests a standalone tracker keeps for one URL (LOOKUP's and MANIFEST's index below it)
+
+
+def _candidate(f: dict) -> None:
+    """LOOKUP's and MANIFEST's ``url``; the ``model_id`` asked for or answered; the candidate's ``index`` and the
+    URL's ``count`` of them: whole numbers up to MAX_CANDIDATES; ``confirmed`` true or false."""
+    _url(f)
+    _names(f, "model_id")
+    for key in ("index", "count"):
+        v = f.get(key)
+        if v is not None and (type(v) is not int or not 0 <= v <= MAX_CANDIDATES):
+            raise ProtocolError(f"{key!r} is not a whole number from 0 to {MAX_CANDIDATES}")
+    if "confirmed" in f and type(f["confirmed"]) is not bool:
+        raise ProtocolError("'confirmed' is not true or false")
+
+
 def _url(f: dict) -> None:
     """An origin's URL (s3://..., a path, ORG/NAME[@REVISION]): printable, at most MAX_URL characters."""
     url = f["url"]
@@ -238,8 +265,8 @@ FIELD_CHECKS = {
     Msg.SHARE: _chunks,
     Msg.READ: _chunks,
     Msg.PUBLISH: _url,
-    Msg.LOOKUP: _url,
-    Msg.MANIFEST: _url,
+    Msg.LOOKUP: _candidate,
+    Msg.MANIFEST: _candidate,
     Msg.PUBLISHED: lambda f: _names(f, "model_id"),
     Msg.STATUS: lambda f: _names(f, "model_id"),
 }
