@@ -151,6 +151,37 @@ def test_a_local_origin_with_a_forged_manifest_of_the_right_sizes_is_refused_not
     assert wrote_nothing_of(tmp_path / "out", forged_dir, model_dir)
 
 
+def test_a_manifest_with_the_bucket_s_etags_and_another_chunk_hash_fails_the_get_at_that_chunk(procs, tmp_path,
+                                                                                                 model_dir):
+    import subprocess
+
+    from conftest import ROOT, p2pw_argv
+
+    s3 = pytest.importorskip("test_s3")
+    moto = s3.MotoServer()
+    try:
+        s3.upload(moto.client(), model_dir, "fleet", "model/")
+        url = "s3://fleet/model"
+        r = subprocess.run(p2pw_argv("manifest", url, "--chunk-size", "256KiB", "-o", tmp_path / "real.json"),
+                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ,
+                                                                                          **s3.s3_env(moto.url)))
+        assert r.returncode == 0, r.stderr
+        real = Manifest.from_json((tmp_path / "real.json").read_text())
+        chunks = list(real.chunks)
+        chunks[-1] = f"{int(chunks[-1], 16) ^ 1:016x}"  # the last chunk's hash: not the bucket's bytes
+        forged = Manifest(real.total_size, real.chunk_size, chunks, real.files, real.tensors, real.hash)
+        answer, s = stranger_publishes(port := start_tracker(procs, tmp_path)[1], url, forged, source="127.0.0.2")
+        s.close()
+        assert answer.type == Msg.PUBLISHED
+        publish(port, url, env=s3.s3_env(moto.url))  # the honest one comes second
+        p = get(procs, url, port, tmp_path / "out", env=s3.s3_env(moto.url))
+        assert p.wait(120) == 1, p.output()
+        errors = [line for line in p.output().splitlines() if line.startswith("p2pw: error:")]
+        assert len(errors) == 1 and "is not the manifest's" in errors[0], p.output()
+    finally:
+        moto.close()
+
+
 # ----- 3: a pinned host --------------------------------------------------------------------------------------------
 
 def test_a_host_pinned_to_a_model_id_gets_it_after_a_stranger_republished_the_url(procs, tmp_path, model_dir):
@@ -165,6 +196,41 @@ def test_a_host_pinned_to_a_model_id_gets_it_after_a_stranger_republished_the_ur
     p = get(procs, model_dir, port, tmp_path / "pinned", "--model-id", mid, "--no-origin")
     assert p.wait(120) == 0, p.output()
     assert same_tree(model_dir, tmp_path / "pinned") == []
+
+
+# ----- what a host trusts where it cannot read the origin ---------------------------------------------------------
+
+def test_a_keyed_fleet_s_host_without_the_origin_takes_the_tracker_s_manifest(procs, tmp_path, model_dir):
+    import subprocess
+
+    from conftest import ROOT, p2pw_argv
+
+    key = tmp_path / "key"
+    assert subprocess.run(p2pw_argv("keygen", key), capture_output=True, timeout=60, cwd=ROOT).returncode == 0
+    ready = tmp_path / "t.ready"
+    t = procs.start("tracker", "--port", 0, "--host", "127.0.0.1", "--ready", ready, "--key", key)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert t.popen.poll() is None and time.monotonic() < deadline, t.output()
+        time.sleep(0.05)
+    port = json.loads(ready.read_text())["port"]
+    procs.start("seed", model_dir, "--tracker", f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", 0,
+                "--chunk-size", "256KiB", "--key", key)
+    p = get(procs, model_dir, port, tmp_path / "keyed", "--no-origin", "--key", key)
+    assert p.wait(120) == 0, p.output()
+    assert same_tree(model_dir, tmp_path / "keyed") == []
+
+
+def test_an_unkeyed_host_that_does_not_read_the_origin_and_has_no_id_is_refused_in_one_line(procs, tmp_path,
+                                                                                             model_dir):
+    _, port = start_tracker(procs, tmp_path)
+    publish(port, model_dir)
+    p = get(procs, model_dir, port, tmp_path / "out", "--no-origin")
+    assert p.wait(60) == 1, p.output()
+    errors = [line for line in p.output().splitlines() if line.startswith("p2pw: error:")]
+    assert errors == [f"p2pw: error: the manifest of {model_dir} published at 127.0.0.1:{port} is not one this host "
+                      "can trust: give --model-id ID, credentials to read the origin, or --key"]
+    assert not os.path.exists(tmp_path / "out") or not os.listdir(tmp_path / "out")
 
 
 # ----- 6: strangers fill the table ---------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ and hands it to the loop (``b"origin"`` on the inbox), which writes it into
 the store (unless a peer's copy came first), publishes it (partners hear of
 it at once and parked requests are served) and reports it to the tracker
 (READ).  Nothing read is written, forwarded or shown before its hash matched,
-and the store keeps one writer: the loop.
+and the store keeps one writer: the loop.  A member that pulls and reads a
+chunk whole that is not the manifest's fails: the manifest is not the origin's,
+so the swarm's copy of that chunk is not taken instead.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class OriginReader:
         self.group = RUNS * per_run if per_run > 1 else max(1, getattr(source, "concurrency", GROUP))
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.ready: dict[int, memoryview] = {}  # read and verified, not yet taken by the loop
+        self.mismatched: set[int] = set()  # read whole, and not the manifest's hash (not merely unreadable)
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="p2pw-origin", daemon=True)
         self.thread.start()
@@ -91,9 +94,18 @@ class OriginReader:
                 bufs[i] = memoryview(bytearray(b - a))
             return bufs[i]
 
-        for i, ok in self.source.read_chunks(self.manifest, chunks, view_of, self.digest, span_of=span_of):
+        hashed: set[str] = set()  # every hash the source took of what it read (a chunk it could not read has none)
+
+        def digest(view) -> str:
+            h = self.digest(view)
+            hashed.add(h)
+            return h
+
+        for i, ok in self.source.read_chunks(self.manifest, chunks, view_of, digest, span_of=span_of):
             if ok:
                 self.ready[i] = bufs[i]
+            elif i in bufs and self.digest(bufs[i]) in hashed:
+                self.mismatched.add(i)
             self.on_ready(i, ok)
 
 
@@ -110,6 +122,10 @@ def landed(node, index: int, ok: bool) -> None:
     """Chunk ``index`` of ``node``'s share was read from the origin (``ok``: it matched the manifest), on the
     loop: into the store unless a peer's copy came first, published, reported to the tracker."""
     data = node.origin.take(index) if node.origin is not None else None
+    if not ok and node.partners.pulls and node.origin is not None and index in node.origin.mismatched:
+        node._fail(f"chunk {index} read from the origin is not the manifest's (its hash differs): the manifest "
+                   "is not the origin's; not taking it from peers either (give --model-id ID of the origin's)")
+        return
     if not ok or data is None:
         log.error("chunk %d read from the origin does not match the manifest (or could not be read): not "
                   "serving it", index)
