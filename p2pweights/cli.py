@@ -390,7 +390,8 @@ def cmd_tracker(args) -> int:
         f"(p2pw seed PATH --tracker HOST:{t.port}, p2pw get URL --tracker HOST:{t.port})", port=t.port)
     if key is None:
         say("unencrypted", "p2pw: WARNING: links are NOT encrypted or authenticated: anyone who can reach this "
-            "port can publish a manifest or join a swarm (use --key DIR from p2pw keygen)")
+            f"port can {'join a swarm' if args.publish_from else 'publish a manifest or join a swarm'} (use --key "
+            "DIR from p2pw keygen)")
     write_json(args.ready, {"port": t.port})
     return serve_until_fatal(t)
 
