@@ -153,6 +153,9 @@ def _found(tracker, url, key, wait, published, model_id) -> tuple[Manifest, dict
 
     if published is not None:
         m = _read_manifest(published)
+        if protocol.is_model_id(url):
+            raise P2PError(f"--manifest is published under the origin's URL, not a model id ({url[:16]}...): give "
+                           "the URL")
         if lookup(tracker, url, key, model_id=m.model_id) is None:
             publish(tracker, url, m, key)
         return m, {"count": 1}
@@ -268,9 +271,9 @@ def open_source(url: str, manifest: Manifest, s3_concurrency: int = 16, s3_range
 
 
 def _unread(url: str, e: Exception) -> None:
+    """No reader of the origin here: said why, once."""
     log.warning("not reading the origin %s here (%s): taking every chunk from peers", url,
                 str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
-    return None
 
 
 def _ends_match(path: str, manifest: Manifest) -> bool:

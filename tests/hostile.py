@@ -83,7 +83,7 @@ class Redirector:
 
 
 def publish(port: int, url: str, manifest, source: str | None = None, hello: bool = False,
-            ctx: zmq.Context | None = None) -> tuple[protocol.Event | None, "Stranger"]:
+            ctx: zmq.Context | None = None) -> tuple[protocol.Event | None, Stranger]:
     """A stranger (from loopback address ``source``) publishes ``manifest`` for ``url`` at the tracker on ``port``;
     with ``hello``, it then joins that model's swarm as a member that heartbeats nothing.  The answer (to the
     HELLO where asked, else to the PUBLISH) and the open connection, for the test to close."""

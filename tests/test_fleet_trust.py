@@ -228,8 +228,8 @@ def test_an_unkeyed_host_that_does_not_read_the_origin_and_has_no_id_is_refused_
     p = get(procs, model_dir, port, tmp_path / "out", "--no-origin")
     assert p.wait(60) == 1, p.output()
     errors = [line for line in p.output().splitlines() if line.startswith("p2pw: error:")]
-    assert errors == [f"p2pw: error: the manifest of {model_dir} published at 127.0.0.1:{port} is not one this host "
-                      "can trust: give --model-id ID, credentials to read the origin, or --key"]
+    assert errors == [(f"p2pw: error: the manifest of {model_dir} published at 127.0.0.1:{port} is not one this "
+                       "host can trust: give --model-id ID, credentials to read the origin, or --key")]
     assert not os.path.exists(tmp_path / "out") or not os.listdir(tmp_path / "out")
 
 

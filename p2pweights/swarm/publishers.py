@@ -19,7 +19,7 @@ class Publishers:
         self.networks = None if networks is None else list(networks)
 
     @classmethod
-    def parse(cls, text: str | None) -> "Publishers":
+    def parse(cls, text: str | None) -> Publishers:
         """``--publish-from``'s value: IPs or CIDRs, comma-separated (UserError naming a bad one)."""
         if text is None:
             return cls()
