@@ -34,7 +34,7 @@ from ..wire import protocol
 from ..wire.protocol import MAX_CANDIDATES, Msg, ProtocolError, is_model_id, is_model_id_prefix
 from .endpoint import REVIEW_INTERVAL, TrackerEndpoint
 from .rootless import RootlessTracker
-from .shares import OriginShares
+from .shares import OriginShares, Progress
 
 log = logging.getLogger("p2pw")
 
@@ -51,28 +51,51 @@ class Swarm:
     def __init__(self, manifest: Manifest, topology, root_listen: str, clock, **kw):
         self.tracker = RootlessTracker(topology, root_listen, clock=clock, **kw)
         self.endpoint = TrackerEndpoint(self.tracker, manifest, clock)
-        self.shares = OriginShares(manifest.n_chunks)
+        self.shares = OriginShares(manifest.n_chunks, clock=clock)
+        self.progress = Progress(clock, every=REVIEW_INTERVAL)
+        self.away: set[int] = set()  # readers that left or were dropped (one reported dead may speak again)
+        self.doubted: set[int] = set()  # members that held every chunk, they said, while the fleet stalled
         self.used, self.next_sync = clock(), 0.0
 
     @property
     def live(self) -> int:
         return len(self.tracker.roster.live)
 
+    def stalled(self) -> bool:
+        """Whether an unfinished member that pulls verified nothing for ``CLAIM_BOUND`` (``shares.Progress``)."""
+        t, n = self.tracker, self.endpoint.manifest.n_chunks
+        return self.progress.stalled((r, t.members[r].have) for r in t.roster.live
+                                     if r not in t.sources and not t.members[r].done and t.members[r].have < n)
+
     def sync(self) -> None:
-        """Readers gone since give back their shares; every reader at most half through its share gets more."""
+        """Readers gone since give back their shares; while the fleet stalls, claims nobody vouched for go back
+        (``shares``); every reader at most half through its share gets more, unless a member holds every chunk
+        and the fleet has not stalled since it said so (a DONE is a hint, not a reason to stop reading the origin)."""
         t = self.tracker
         for rank in self.shares.readers:
             m = t.members.get(rank)
             if m is None or m.left:
                 self.shares.gone(rank)
                 t.drop_reader(rank)
+                self.away.add(rank)
+        for rank in [r for r in self.away if r in t.members and not t.members[r].left]:  # reported dead, alive
+            self.away.discard(rank)
+            self.shares.register(rank)
+            t.add_reader(rank)
+        stalled = self.stalled()
+        back = self.shares.expire(stalled)
+        if back:
+            log.warning("%d claimed chunks held by no second reader while the fleet stalls: read again by others",
+                        back.bit_count())
+        done = [r for r in t.roster.live if t.members[r].done]
+        if stalled:  # a complete holder while the fleet stalls pauses the readers no more
+            self.doubted.update(done)
+        complete = any(r not in self.doubted for r in done)
         if self.shares.orphans:  # read by readers that left: read again if nobody holds all and one still pulls
             live = [t.members[r] for r in t.roster.live if r not in t.sources]
-            if not any(m.done for m in live) and any(not m.done for m in live):
+            if (stalled or not any(m.done for m in live)) and any(not m.done for m in live):
                 self.shares.reclaim()
-        hungry = [r for r in self.shares.readers if self.shares.hungry(r)]
-        complete = bool(hungry) and any(m.done and not m.left for m in t.members.values())
-        for rank in hungry:
+        for rank in [r for r in self.shares.readers if self.shares.hungry(r)]:
             chunks = self.shares.hand(rank, complete)
             ident = self.endpoint.ident_of(rank)
             if chunks and ident is not None:

@@ -9,12 +9,19 @@ partner of every stripe's root and of the other readers, up to
 ``MAX_FEEDERS`` of them, listed as feeding nobody downstream (help asks the
 cheapest partners first, and a reader's share is what everyone lacks).  The
 seeder's uplink, lent at the end in a seeded swarm, does not exist.
+
+A member's word about others is a hint: one reported dead (ORPHAN) that is
+heard from again on its own connection is placed again (``touch``).  The last
+member holding every chunk stays for members still missing some, but at most
+its linger (``--linger``, else ``LAST_HOLDER_LINGER``): a member that never
+finishes keeps nobody for ever.
 """
 from __future__ import annotations
 
 from .tracker import ROOT, Member, Tracker, complete_holders  # noqa: F401 (complete_holders: this module's API)
 
 MAX_FEEDERS = 8  # origin readers one peer is made a partner of
+LAST_HOLDER_LINGER = 120.0  # seconds the last complete member stays for unfinished ones when its LEAVE names no linger
 
 
 class RootlessTracker(Tracker):
@@ -25,6 +32,7 @@ class RootlessTracker(Tracker):
         self.loan.open = False  # no seeder to lend
         self.readers: set[int] = set()
         self.sources: set[int] = set()  # members that pull nothing (a seeder among peers): leaves nobody waits for
+        self.dropped: set[int] = set()  # members dropped without asking (found dead, reported dead): not left
 
     def _live_readers(self) -> list[int]:
         return sorted(r for r in self.readers if r in self.members and not self.members[r].left)
@@ -52,14 +60,44 @@ class RootlessTracker(Tracker):
 
     def leave(self, rank: int, linger: float | None = None) -> list[int]:
         """As ``Tracker.leave``; and with no seeder to fall back on, the last member holding every chunk stays
-        while a member that pulls still lacks some (a chunk read by one reader may be nowhere else)."""
+        while a member that pulls still lacks some (a chunk read by one reader may be nowhere else), for at
+        most its ``linger`` (``LAST_HOLDER_LINGER`` where it names none) after it was done: then it goes,
+        whoever depends on it."""
         m = self._member(rank)
+        if linger is not None:
+            m.linger = linger
+        if not m.left and m.done and self.clock() - m.done_at >= (LAST_HOLDER_LINGER if m.linger is None
+                                                                  else m.linger):
+            self.roster.depart(m)
+            if self.placed:
+                self._note(self.topology.remove(rank))
+            return []
         if not m.left and m.done:
             others = [self.members[r] for r in self.roster.live if r != rank and r not in self.sources]
             unfinished = [x.rank for x in others if not x.done]
             if unfinished and not any(x.done for x in others):
                 return unfinished[:MAX_FEEDERS]
         return super().leave(rank, linger)
+
+    def gone(self, rank: int) -> list[tuple[int, int]]:
+        self.dropped.add(rank)
+        return super().gone(rank)
+
+    def touch(self, rank: int, have: int | None = None, rates: dict | None = None,
+              delivered: dict | None = None) -> None:
+        """As ``Tracker.touch``; a member dropped without asking (another reported it dead) that speaks again on
+        its own connection is live again, placed anew, and told its plan."""
+        m = self.members.get(rank)
+        if m is not None and m.left and rank in self.dropped and not m.done:
+            self.dropped.discard(rank)
+            self.roster.arrive(m)
+            moves = self.topology.place(rank) if self.placed else []
+            self.pullers.assign(m, self._place(rank))
+            self._note(moves)
+            if self.placed:
+                self.moved.extend(self.roster.partner(m, self.partners_first(m)))
+            self.moved.append(rank)
+        super().touch(rank, have, rates, delivered)
 
     def dependents(self, rank: int) -> list[int]:
         return [r for r in super().dependents(rank) if r not in self.sources]

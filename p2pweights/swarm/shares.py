@@ -7,15 +7,27 @@ chunk to one reader only: the origin is read about once in all, by every
 reader in parallel.  A reader reports what it holds of its share (READ) and
 is handed more once half of it is read, so its pipe to the origin stays full
 while the first readers to ask take the front of the blob and later ones the
-rest.  A reader that goes gives back what it had not read.  While a member
-holds the whole model, nobody is handed anything: its uplink serves.
+rest.  A reader that goes gives back what it had not read.
+
+Claims are hints.  A READ from a member that is no registered reader changes
+nothing.  A share handed out, or a chunk a reader says it read, that no second
+reader has reported held (``vouched``) stands while the fleet moves; once it is
+``CLAIM_BOUND`` old and some unfinished member has verified nothing for
+``CLAIM_BOUND`` (``Progress``), it goes back to the pool, never to be handed to
+that reader again (``refuted``).  A member holding the whole model (DONE)
+pauses the handing only while the fleet moves: its uplink serves.
 """
 from __future__ import annotations
+
+import time
+from collections import deque
 
 from ..wire.chunkset import bitset_of, lowest_of
 
 MAX_SHARE = 64  # chunks one share names at most (256 MiB of 4 MiB chunks)
 SHARES_PER_MODEL = 16  # a model is cut into at least this many shares, so several readers take part
+CLAIM_BOUND = 5.0  # seconds an unvouched claim stands, and an unfinished member may verify nothing, before the claim
+#                    goes back to the pool (well below a joiner's give-up time, 20 s by default)
 
 
 def share_size(n_chunks: int) -> int:
@@ -26,8 +38,8 @@ def share_size(n_chunks: int) -> int:
 class OriginShares:
     """The readers of one model's origin and the chunks each is to read (bitsets: bit i for chunk i)."""
 
-    def __init__(self, n_chunks: int, batch: int | None = None):
-        self.n = n_chunks
+    def __init__(self, n_chunks: int, batch: int | None = None, clock=time.monotonic):
+        self.n, self.clock = n_chunks, clock
         self.batch = batch or share_size(n_chunks)
         self.pool = (1 << n_chunks) - 1  # neither held by a reader nor handed to a live one
         self.read = 0  # reported held by some reader
@@ -35,6 +47,10 @@ class OriginShares:
         self.handed = 0  # chunks handed out in all (a chunk handed again after its reader went counts twice)
         self.read_by: dict[int, int] = {}  # reader rank -> what it reported held
         self.orphans = 0  # read only by readers that left since (their peers may hold them, or nobody)
+        self.vouched = 0  # reported held by two readers: no single reader's claim
+        self.refuted: dict[int, int] = {}  # reader rank -> its claims that went back unvouched: not handed to it again
+        self.claims: deque[tuple[float, int]] = deque()  # (when, chunks) handed out or first said read, oldest first
+        self.aged = 0  # claimed ``CLAIM_BOUND`` ago or more
 
     @property
     def readers(self) -> list[int]:
@@ -45,14 +61,49 @@ class OriginShares:
         self.out.setdefault(rank, 0)
 
     def held(self, rank: int, chunks) -> None:
-        """``rank`` holds ``chunks`` now (read from the origin, or taken from a peer)."""
+        """Reader ``rank`` holds ``chunks`` now (read from the origin, or taken from a peer); from a member that
+        is no reader, nothing (a claim nobody can check)."""
+        if rank not in self.out:
+            return
         bits = bitset_of(i for i in chunks if 0 <= i < self.n)
+        self.vouched |= bits & self._reads_besides(rank)
+        self._claim(bits & ~self.read & ~self.out[rank])  # a chunk handed to it was claimed when handed
         self.read |= bits
         self.pool &= ~bits
         self.orphans &= ~bits
-        if rank in self.out:
-            self.out[rank] &= ~bits
-            self.read_by[rank] = self.read_by.get(rank, 0) | bits
+        self.out[rank] &= ~bits
+        self.read_by[rank] = self.read_by.get(rank, 0) | bits
+
+    def _claim(self, bits: int) -> None:
+        if bits:
+            self.claims.append((self.clock(), bits))
+
+    def _reads_besides(self, rank: int) -> int:
+        bits = 0
+        for r, b in self.read_by.items():
+            if r != rank:
+                bits |= b
+        return bits
+
+    def expire(self, stalled: bool) -> int:
+        """Claims ``CLAIM_BOUND`` old that no second reader vouched for go back to the pool while the fleet
+        ``stalled`` (``Progress``), and are never handed to their claimers again; returns them (a bitset)."""
+        limit = self.clock() - CLAIM_BOUND
+        while self.claims and self.claims[0][0] <= limit:
+            self.aged |= self.claims.popleft()[1]
+        back = self.aged & ~self.vouched
+        if not stalled or not back:
+            return 0
+        self.aged = 0
+        for r in self.out:
+            lost = (self.out[r] | self.read_by.get(r, 0)) & back
+            if lost:
+                self.refuted[r] = self.refuted.get(r, 0) | lost
+                self.out[r] &= ~lost
+        self.pool |= back
+        self.read &= ~back
+        self.orphans &= ~back
+        return back
 
     def gone(self, rank: int) -> None:
         """Reader ``rank`` left: what it had not read goes back to the pool; what it alone read is an orphan."""
@@ -74,8 +125,8 @@ class OriginShares:
         self.orphans = 0
 
     def hungry(self, rank: int) -> bool:
-        """Whether reader ``rank`` is at most half through its share while the pool holds more."""
-        return bool(self.pool) and rank in self.out and self.out[rank].bit_count() <= self.batch // 2
+        """Whether reader ``rank`` is at most half through its share while the pool holds more for it."""
+        return bool(self.pool & ~self.refuted.get(rank, 0)) and rank in self.out and self.out[rank].bit_count() <= self.batch // 2
 
     def hand(self, rank: int, complete_holder: bool = False) -> list[int]:
         """The next share for reader ``rank``: the lowest chunks of the pool, up to ``batch`` outstanding, once
@@ -83,14 +134,38 @@ class OriginShares:
         if complete_holder or not self.hungry(rank):
             return []
         outstanding = self.out[rank].bit_count()
-        take = lowest_of(self.pool, self.batch - outstanding)
+        take = lowest_of(self.pool & ~self.refuted.get(rank, 0), self.batch - outstanding)
         bits = bitset_of(take)
         self.pool &= ~bits
         self.out[rank] |= bits
         self.handed += len(take)
+        self._claim(bits)
         return take
 
     @property
     def done(self) -> bool:
         """Every chunk has been read by some reader."""
         return self.read == (1 << self.n) - 1
+
+
+class Progress:
+    """When each unfinished member last verified more chunks, as its heartbeats say (``have``): the fleet
+    stalls while one has verified nothing for ``CLAIM_BOUND`` (judged at most every ``every`` seconds)."""
+
+    def __init__(self, clock=time.monotonic, every: float = 0.5):
+        self.clock, self.every = clock, every
+        self.last: dict[int, tuple[int, float]] = {}  # rank -> (have, when it last rose)
+        self.next, self.was = float("-inf"), False
+
+    def stalled(self, unfinished) -> bool:
+        """Whether one of ``unfinished`` ((rank, have) pairs) verified nothing for ``CLAIM_BOUND``."""
+        now = self.clock()
+        if now < self.next:
+            return self.was
+        self.next, seen, self.was = now + self.every, {}, False
+        for rank, have in unfinished:
+            was = self.last.get(rank)
+            seen[rank] = was = (have, now) if was is None or have > was[0] else was
+            self.was = self.was or now - was[1] >= CLAIM_BOUND
+        self.last = seen
+        return self.was

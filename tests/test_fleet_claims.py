@@ -1,0 +1,258 @@
+"""A member's claims are hints: origin shares, tickets and lingering against a stranger member.
+
+Pure tests drive the standalone tracker's ``Registry`` with a fake clock and
+simulated honest readers; process tests run real ``p2pw tracker`` and ``p2pw
+get`` processes beside ``hostile.Stranger``.  Assertions are on chunks, bytes,
+exit codes and counts, never on time.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2pweights.sources.manifest import Manifest
+from p2pweights.swarm.registry import Registry
+from p2pweights.swarm.shares import CLAIM_BOUND, OriginShares, Progress
+from p2pweights.swarm.topology import make
+from p2pweights.wire import protocol
+from p2pweights.wire.protocol import Msg, ProtocolError
+
+N = 64  # chunks of the pure tests' model
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def manifest(n: int = N, seed: int = 7) -> Manifest:
+    rng = random.Random(seed)
+    return Manifest(total_size=n * 4096, chunk_size=4096, chunks=[f"{rng.getrandbits(64):016x}" for _ in range(n)],
+                    files=[{"name": "w.bin", "offset": 0, "size": n * 4096}], tensors=[], hash="xxh3_64")
+
+
+class Fleet:
+    """A registry with one model, and honest readers that read what they are handed and take what the other
+    honest readers hold (the swarm), reporting as a node does: READ, HEARTBEAT with ``have``, DONE."""
+
+    def __init__(self):
+        self.clock = Clock()
+        self.reg = Registry(lambda n: make("forest:2"), clock=self.clock)
+        self.m = manifest()
+        self.reg.publish(b"pub", {"url": "s3://b/m"}, self.m.wire_bytes())
+        self.mid = self.m.model_id
+        self.held: dict[bytes, set] = {}
+        self.todo: dict[bytes, list] = {}
+        self.done: set = set()
+
+    def hello(self, ident: bytes, origin: bool = True) -> None:
+        assert self.reg.hello(ident, {"peer_id": ident.decode(), "listen": f"127.0.0.1:{9000 + len(self.held)}",
+                                      "model_id": self.mid, "origin": origin})
+
+    def honest(self, *idents: bytes) -> None:
+        for ident in idents:
+            self.held[ident], self.todo[ident] = set(), []
+            self.hello(ident)
+
+    def deliver(self) -> None:
+        """What the tracker sent: each honest reader's shares."""
+        for ident, frames in self.reg.take():
+            e = protocol.decode(frames)
+            if e.type == Msg.SHARE and ident in self.held:
+                self.todo[ident] += e.fields["chunks"]
+
+    def step(self, dt: float = 0.5) -> None:
+        """Each honest reader reads its share, takes what the others hold, heartbeats; the tracker reviews."""
+        self.deliver()
+        for ident in self.held:
+            read = [i for i in self.todo[ident] if i not in self.held[ident]]
+            self.held[ident] |= set(self.todo[ident])
+            self.todo[ident] = []
+            if read:
+                self.reg.read(ident, {"chunks": read})
+        everyone = set().union(*self.held.values())
+        for ident in self.held:
+            self.held[ident] |= everyone
+            self.reg.route(ident, Msg.HEARTBEAT, {"have": len(self.held[ident])})
+            if len(self.held[ident]) == N and ident not in self.done:
+                self.done.add(ident)
+                self.reg.route(ident, Msg.DONE, {"rank": self.rank(ident)})
+        self.clock.t += dt
+        self.reg.review(self.clock.t)
+        self.deliver()
+
+    def rank(self, ident: bytes) -> int:
+        return self.reg.swarm_of(ident).endpoint.members[ident]
+
+    def complete(self) -> bool:
+        return all(len(h) == N for h in self.held.values())
+
+    def run(self, steps: int = 200) -> int:
+        for k in range(steps):
+            if self.complete():
+                return k
+            self.step()
+        return steps
+
+    @property
+    def shares(self) -> OriginShares:
+        return self.reg.swarms[self.mid].shares
+
+
+# ----- claims are hints: READ, DONE --------------------------------------------------------------------------------
+
+def test_a_read_from_a_member_that_is_no_reader_changes_nothing_in_the_pool():
+    f = Fleet()
+    f.hello(b"stranger", origin=False)
+    f.reg.read(b"stranger", {"chunks": list(range(N))})  # it says it read every chunk; it reads nothing
+    assert f.shares.pool == (1 << N) - 1 and f.shares.read == 0
+    f.honest(b"a", b"b")
+    assert f.run() < 10 and f.complete()  # the honest readers read it all at once, no stall to wait out
+    assert f.shares.handed == N  # each chunk read from the origin once
+
+
+def test_a_done_from_one_member_pauses_the_readers_only_while_the_fleet_moves():
+    f = Fleet()
+    f.hello(b"stranger", origin=False)
+    f.reg.route(b"stranger", Msg.DONE, {"rank": f.rank(b"stranger")})  # it holds nothing
+    f.honest(b"a", b"b")
+    f.step()
+    assert f.shares.handed == 0  # a complete holder's uplink may serve: nobody reads yet
+    steps = f.run()
+    assert f.complete() and steps <= 2 * CLAIM_BOUND / 0.5 + 4  # nothing arrived: the readers read it after all
+    assert f.shares.handed == N
+
+
+def test_a_reader_that_claims_every_chunk_loses_its_claims_once_the_fleet_stalls():
+    f = Fleet()
+    f.hello(b"liar")
+    f.deliver()
+    f.reg.read(b"liar", {"chunks": list(range(N))})  # handed a share, claims the whole model, serves nothing
+    f.honest(b"a", b"b")
+    f.step()
+    assert f.shares.handed <= f.shares.batch  # its claims stand for now
+    steps = f.run()
+    assert f.complete() and steps <= 2 * CLAIM_BOUND / 0.5 + 4
+    assert f.shares.refuted[f.rank(b"liar")] == (1 << N) - 1  # never handed to it again
+    assert f.shares.read == (1 << N) - 1
+
+
+def test_a_reader_handed_a_share_it_never_reads_gives_it_back_once_the_fleet_stalls():
+    f = Fleet()
+    f.hello(b"sink")  # a reader that reads nothing, and heartbeats: never dropped as silent
+    f.honest(b"a", b"b")
+    for _ in range(int(2 * CLAIM_BOUND / 0.5) + 4):
+        f.reg.route(b"sink", Msg.HEARTBEAT, {"have": 0})
+        f.step()
+    assert f.complete()
+
+
+def test_claims_stand_while_the_fleet_moves_and_vouched_ones_for_good():
+    clock = Clock()
+    s = OriginShares(32, batch=8, clock=clock)
+    s.register(1), s.register(2)
+    a = s.hand(1)
+    s.held(1, a)
+    clock.t += 2 * CLAIM_BOUND
+    assert s.expire(stalled=False) == 0 and s.read == (1 << 8) - 1  # the fleet moves: claims stand
+    s.held(2, a[:4])  # a second reader holds four of them: vouched
+    b = s.hand(2)
+    clock.t += 2 * CLAIM_BOUND
+    back = s.expire(stalled=True)
+    assert back == sum(1 << i for i in a[4:] + b)  # the rest went back: unvouched, and the fleet stalls
+    assert s.hand(1) == b and s.hand(2)[:4] == a[4:]  # each to the other reader, never to its claimer
+
+
+def test_progress_stalls_when_an_unfinished_member_verifies_nothing_for_the_bound():
+    clock = Clock()
+    p = Progress(clock, every=0.0)
+    assert not p.stalled([(1, 0), (2, 0)])
+    clock.t += CLAIM_BOUND / 2
+    assert not p.stalled([(1, 3), (2, 0)])
+    clock.t += CLAIM_BOUND / 2
+    assert p.stalled([(1, 6), (2, 0)])  # rank 2 verified nothing for CLAIM_BOUND
+    assert not p.stalled([(1, 7), (2, 1)])
+
+
+# ----- a stranger member against two honest readers ------------------------------------------------------------------
+
+stranger_moves = st.lists(st.one_of(
+    st.tuples(st.just("READ"), st.lists(st.integers(0, N - 1), min_size=1, max_size=N)),
+    st.tuples(st.just("HAVE"), st.integers(-5, N + 5)),  # its heartbeat's claim of chunks held
+    st.tuples(st.just("DONE"), st.just(None)),
+    st.tuples(st.just("ORPHAN"), st.tuples(st.integers(0, 2), st.integers(0, 6), st.booleans())),
+    st.tuples(st.just("HEARTBEAT"), st.dictionaries(st.sampled_from(["1", "2", "3", "x"]), st.integers(0, 10 ** 9),
+                                                    max_size=3)),
+    st.tuples(st.just("WAIT"), st.integers(1, 20)),
+), max_size=40)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(origin=st.booleans(), first=st.booleans(), moves=stranger_moves)
+def test_whatever_a_stranger_member_claims_both_honest_readers_complete(origin, first, moves):
+    f = Fleet()
+    if first:
+        f.hello(b"s", origin=origin)
+    f.honest(b"a", b"b")
+    if not first:
+        f.hello(b"s", origin=origin)
+    rank = f.rank(b"s")
+    for kind, arg in moves:
+        try:
+            if kind == "READ":
+                f.reg.read(b"s", {"chunks": arg})
+            elif kind == "HAVE":
+                f.reg.route(b"s", Msg.HEARTBEAT, {"have": arg})
+            elif kind == "DONE":
+                f.reg.route(b"s", Msg.DONE, {"rank": rank})
+            elif kind == "ORPHAN":
+                stripe, parent, dead = arg
+                f.reg.route(b"s", Msg.ORPHAN, {"rank": rank, "stripe": stripe, "parent": parent, "reason": "x",
+                                               "dead": dead})
+            elif kind == "HEARTBEAT":
+                f.reg.route(b"s", Msg.HEARTBEAT, {"have": 0, "links": arg, "got": arg})
+        except ProtocolError:
+            pass  # one error for that peer; the tracker goes on
+        for _ in range(arg if kind == "WAIT" else 1):
+            f.step()
+    f.run(400)
+    assert f.complete()
+    assert f.held[b"a"] == f.held[b"b"] == set(range(N))
+
+
+# ----- linger bounds every get ---------------------------------------------------------------------------------------
+
+def test_the_last_complete_member_stays_for_an_unfinished_one_at_most_its_linger():
+    from p2pweights.swarm.rootless import LAST_HOLDER_LINGER, RootlessTracker
+
+    clock = Clock()
+    t = RootlessTracker(make("forest:2"), "", clock=clock)
+    a, b, c = (t.join(f"p{i}", f"127.0.0.1:{7000 + i}") for i in range(3))
+    t.done(a.rank)
+    assert t.leave(a.rank, linger=3.0)  # b and c never finish: it waits, for now
+    clock.t += 3.0
+    assert t.leave(a.rank, linger=3.0) == [] and a.left  # its linger is up: it goes
+    t.done(b.rank)
+    assert t.leave(b.rank, linger=0.0) == [] and b.left  # --linger 0: at once, c unfinished or not
+    d = t.join("p3", "127.0.0.1:7003")
+    t.done(d.rank)
+    assert t.leave(d.rank)  # no --linger: the last holder stays ...
+    clock.t += LAST_HOLDER_LINGER
+    assert t.leave(d.rank) == [] and d.left  # ... for LAST_HOLDER_LINGER at most
+
+
+def test_a_member_reported_dead_that_speaks_again_is_placed_again():
+    f = Fleet()
+    f.honest(b"a", b"b")
+    f.hello(b"s", origin=False)
+    t = f.reg.swarms[f.mid].tracker
+    a = f.rank(b"a")
+    t.gone(a)  # what a stranger's ORPHAN dead=True about its partner does
+    f.step()  # a heartbeats on its own connection
+    assert not t.members[a].left and a in f.shares.readers
