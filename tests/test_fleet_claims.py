@@ -256,3 +256,61 @@ def test_a_member_reported_dead_that_speaks_again_is_placed_again():
     t.gone(a)  # what a stranger's ORPHAN dead=True about its partner does
     f.step()  # a heartbeats on its own connection
     assert not t.members[a].left and a in f.shares.readers
+
+
+# ----- tickets: one child per rank, of its member's latest session ------------------------------------------------
+
+def _model(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "model.bin"
+    path.write_bytes(np.random.default_rng(5).integers(0, 256, 6 * (64 << 10) + 77, dtype=np.uint8).tobytes())
+    return path
+
+
+def _welcome(port: int, peer_id: str, **extra):
+    from hostile import Stranger
+
+    s = Stranger(port)
+    e = s.ask(Msg.HELLO, peer_id=peer_id, listen="127.0.0.1:9", **extra)
+    assert e is not None and e.type == Msg.WELCOME, e
+    return s, e.fields
+
+
+@pytest.mark.timeout(120)
+def test_one_ticket_admits_one_child_and_a_rejoin_voids_the_old_one(tmp_path):
+    from hostile import Stranger
+    from p2pweights.api import join, seed
+
+    path = _model(tmp_path)
+    with seed(path, host="127.0.0.1", port=0, chunk_size=64 << 10) as s:
+        member, w = _welcome(s.port, "m")
+        rank, ticket = w["rank"], next(p["ticket"] for p in w["parents"] if p["rank"] == 0)
+        links = [Stranger(s.port) for _ in range(10)]
+        attach = dict(peer_id="m", rank=rank, model_id=s.model_id)
+        try:
+            answers = [x.ask(Msg.ATTACH, **attach, ticket=ticket) for x in links[:8]]
+            assert all(e is not None and e.type == Msg.ATTACHED for e in answers)  # each newer one replaced ...
+            kicked = [x.answer(2.0) for x in links[:7]]
+            assert all(e is not None and e.type == Msg.ERROR and e.fields["fatal"] for e in kicked)  # ... the older
+            assert [c.rank for c in s.node.children.values()] == [rank]  # one child slot, not eight
+            again, w2 = _welcome(s.port, "m", rank=rank, secret=w["secret"])  # the member joins again
+            fresh = next(p["ticket"] for p in w2["parents"] if p["rank"] == 0)
+            assert w2["rank"] == rank and fresh != ticket
+            assert links[8].ask(Msg.ATTACH, **attach, ticket=fresh).type == Msg.ATTACHED
+            e = links[9].ask(Msg.ATTACH, **attach, ticket=ticket)
+            assert e.type == Msg.ERROR and "earlier session" in e.fields["message"]  # the old session's: void
+            assert [c.rank for c in s.node.children.values()] == [rank]
+            d = join(f"127.0.0.1:{s.port}", host="127.0.0.1", peer_id="honest", connect_timeout=10)
+            try:  # an honest joiner is served whatever the stranger did
+                d.wait(60)
+                data = path.read_bytes()
+                n = -(-len(data) // (64 << 10))
+                assert b"".join(bytes(d.store.chunk(i)) for i in range(n))[:len(data)] == data
+            finally:
+                d.close()
+            again.close()
+        finally:
+            member.close()
+            for x in links:
+                x.close()

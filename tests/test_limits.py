@@ -110,18 +110,18 @@ def test_max_children_per_parent(tmp_path):
     path.write_bytes(np.random.default_rng(3).integers(0, 256, 4 * CHUNK, dtype=np.uint8).tobytes())
     with seed(path, host="127.0.0.1", port=0, chunk_size=CHUNK, topology="binomial") as seeder:
         seeder.node.max_children = 1
-        refused_when_the_only_source_is_full(seeder)
+        served_once_the_only_source_has_room(seeder, path.read_bytes())
 
 
-def refused_when_the_only_source_is_full(seeder):
+def served_once_the_only_source_has_room(seeder, data: bytes):
     a = join(f"127.0.0.1:{seeder.port}", host="127.0.0.1", peer_id="a", connect_timeout=10)
     try:
         a.wait(30)
         b = join(f"127.0.0.1:{seeder.port}", host="127.0.0.1", peer_id="b", connect_timeout=10)
-        try:  # rank 2 is the seeder's second child in the binomial tree: refused at ATTACH
-            assert b.parents[0]["rank"] == 0
-            with pytest.raises(P2PError, match="maximum of 1 children"):
-                b.wait(30)
+        try:  # rank 2 is the seeder's second child in the binomial tree: refused at ATTACH while a is attached,
+            assert b.parents[0]["rank"] == 0  # it asks the tracker again (not exit), and is served once a is done
+            b.wait(30)
+            assert b.store.complete and b"".join(bytes(b.store.chunk(i)) for i in range(4)) == data
         finally:
             b.close()
     finally:

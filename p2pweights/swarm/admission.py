@@ -4,13 +4,15 @@ A connection holds state (a protocol state machine, a member, a child) once it
 speaks; at most ``max_per_host`` connections from one address do, so one host
 opening many cannot take every slot.  An ATTACH is admitted only with the
 ticket the tracker put in the peer's plan (``membership.ticket_ok``), below
-``max_children``; a child not heard from for ``child_timeout`` (a peer
+``max_children``, and one child per rank: a newer ATTACH with a valid ticket
+for a rank replaces the child attached as that rank, and one with a ticket of
+an earlier session than one seen here is void (``rank_slot``).  A child not heard from for ``child_timeout`` (a peer
 heartbeats every link it pulls over) is dropped, so idle connections that
 attached once cannot keep honest joiners out for ever.
 """
 from __future__ import annotations
 
-from .membership import ticket_ok
+from .membership import ticket_ok, ticket_session
 
 MAX_PER_HOST = 64  # connections one address may hold state with at a node (a host's join uses two: tracker, link)
 CHILD_TIMEOUT = 60.0  # seconds: a child not heard from this long is dropped
@@ -25,6 +27,7 @@ class Admission:
         self.max_per_host, self.child_timeout = max_per_host, child_timeout
         self.host: dict[bytes, str] = {}  # connection -> its address
         self.count: dict[str, int] = {}  # address -> connections holding state
+        self.sessions: dict[int, int] = {}  # rank -> the latest session a ticket that attached here named
 
     def admit(self, ident: bytes, host: str) -> bool:
         """Whether connection ``ident``, from ``host``, may hold state (counted until ``release``)."""
@@ -43,6 +46,16 @@ class Admission:
             if not self.count[host]:
                 del self.count[host]
 
+    def rank_slot(self, children: dict, ident: bytes, rank: int, ticket) -> tuple[str | None, bytes | None]:
+        """One attached child per rank: (why an ATTACH as ``rank`` on ``ident`` with a valid ``ticket`` is refused,
+        the child attached as ``rank`` on another connection that it replaces).  A ticket of an earlier session
+        than one seen here is void: that member joined again since."""
+        session = ticket_session(ticket) or 0
+        if session < self.sessions.get(rank, 0):
+            return f"{NOT_PLACED}: the ticket for rank {rank} is of an earlier session than one seen here", None
+        self.sessions[rank] = session
+        return None, next((i for i, c in children.items() if c.rank == rank and i != ident), None)
+
     def idle(self, children, seen: dict, now: float) -> list[bytes]:
         """The ``children`` not heard from (``seen``: connection -> when) for ``child_timeout``."""
         return [i for i in children if now - seen.get(i, now) > self.child_timeout]
@@ -59,9 +72,13 @@ def placed_refusal(f: dict, model_id: str, secret: str | None) -> str | None:
 
 
 def attach_refusal(f: dict, model_id: str, secret: str | None, children: dict, ident: bytes,
-                   max_children: int) -> str | None:
-    """Why an ATTACH is refused (``placed_refusal``, or ``max_children`` children already), or None to admit it."""
-    why = placed_refusal(f, model_id, secret)
-    if why is None and ident not in children and len(children) >= max_children:
-        return f"parent serves its maximum of {max_children} children"
-    return why
+                   max_children: int, admission: Admission | None = None) -> tuple[str | None, bytes | None]:
+    """(Why an ATTACH is refused: ``placed_refusal``, a void ticket, or ``max_children`` children already; or None
+    to admit it, the child of its rank it replaces or None).  Ranks are one child each only where tickets are
+    checked (``secret``): elsewhere a rank proves nothing."""
+    why, older = placed_refusal(f, model_id, secret), None
+    if why is None and secret is not None and admission is not None:
+        why, older = admission.rank_slot(children, ident, f["rank"], f.get("ticket"))
+    if why is None and older is None and ident not in children and len(children) >= max_children:
+        return f"parent serves its maximum of {max_children} children", None
+    return why, older

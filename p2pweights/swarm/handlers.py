@@ -195,7 +195,7 @@ class Handlers:
 
     def on_attach(self, ident: bytes, f: dict) -> None:
         n = self.node
-        why = attach_refusal(f, n.model_id, n.secret, n.children, ident, n.max_children)
+        why, older = attach_refusal(f, n.model_id, n.secret, n.children, ident, n.max_children, n.admission)
         if why is not None:
             if why.startswith(NOT_PLACED):
                 log.warning("%s: ATTACH refused: %s", self._who(ident), why)
@@ -203,6 +203,12 @@ class Handlers:
             n.forget(ident)
             n.drop_conn(ident)
             return
+        if older is not None:  # one child per rank: the newer ticket's holder takes its place
+            log.info("%s: replaced by a newer ATTACH as its rank", self._who(older))
+            n._send(older, protocol.control(Msg.ERROR, fatal=True, message=(
+                f"{NOT_PLACED}: another connection attached as rank {f['rank']} with its ticket")))
+            n.forget(older)
+            n.drop_conn(older)
         n.children[ident] = _child(f)
         n.serve.attach(ident)
         bits = protocol.pack_bits(n.store.have if n.reader is None else  # a seeder reading on demand
@@ -216,6 +222,8 @@ class Handlers:
         why = placed_refusal(f, n.model_id, n.secret)
         if why is None:
             link = n.lanes.child_of(n.children, f["rank"], f["peer_id"])
+            if link is not None and n.secret is not None and n.children[link].ticket != f.get("ticket"):
+                link = None  # attached with another ticket: not that child's lane
             same = link is not None and n.admission.host.get(ident) == n.admission.host.get(link)
             why = n.lanes.refusal(link, f["lane"], same)
         if why is not None:
@@ -249,14 +257,14 @@ class Handlers:
 class Child:
     """A partner attached to this node to pull from it."""
 
-    __slots__ = ("peer_id", "rank")
+    __slots__ = ("peer_id", "rank", "ticket")
 
-    def __init__(self, peer_id: str, rank: int):
-        self.peer_id, self.rank = peer_id, rank
+    def __init__(self, peer_id: str, rank: int, ticket: str | None = None):
+        self.peer_id, self.rank, self.ticket = peer_id, rank, ticket
 
 
 def _child(f: dict) -> Child:
-    return Child(f["peer_id"][:MAX_NAME], f["rank"])
+    return Child(f["peer_id"][:MAX_NAME], f["rank"], f.get("ticket"))
 
 
 def _peer_address(frame) -> str:

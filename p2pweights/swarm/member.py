@@ -43,6 +43,7 @@ class Membership:
         now = node.clock()
         self.heard = self.progress_at = self.reported_wait = now
         self.hello_sent = self.leave_next = 0.0
+        self.asked_plan = False  # the last HELLO asked for a new plan (sources refused us), not a lost tracker
         self.done_reported = False
         self.linger = None  # seconds to serve unfinished partners once done, sent with LEAVE (None: the tracker's rule)
         self.lost: dict[int, tuple[str, bool]] = {}  # planned rank given up -> (why, dead), until re-planned
@@ -134,7 +135,7 @@ class Membership:
         if self.hello_fields.get("origin"):
             self.report_held()
         self.probe_due = _probe_asked(probe)
-        if self.hello_sent:
+        if self.hello_sent and not self.asked_plan:
             log.warning("tracker %s is back: we are rank %d", self.addr, rank)
         self.hello_sent = 0.0
         self.done_reported = False  # tell the (new) tracker again
@@ -178,7 +179,8 @@ class Membership:
         if idle > self.give_up_after:
             node._fail(f"no chunk arrived for {self.give_up_after:.0f} s: {node.pull.missing()} of "
                        f"{node.manifest.n_chunks} chunks missing and no partner serves them "
-                       f"(verified chunks are kept: join again to resume)")
+                       f"(verified chunks are kept: join again to resume)"
+                       + (f"; last, {node.partners.refusal}" if node.partners.refusal else ""))
         elif now - self.reported_wait >= WAIT_REPORT and idle >= WAIT_REPORT:
             self.reported_wait = now
             orphaned = node.pull.waiting_for()
@@ -202,9 +204,13 @@ class Membership:
                 self.post(protocol.control(Msg.ORPHAN, rank=self.node.rank, stripe=p["stripe"], parent=rank,
                                            reason=why, dead=dead))
 
-    def reintroduce(self, now: float) -> None:
-        """The tracker went quiet (restarted?): HELLO again with our rank and what we hold."""
-        if self.hello_sent == 0.0 or now - self.hello_sent > 5 * RETRY_INTERVAL:
+    def reintroduce(self, now: float, why: str | None = None) -> None:
+        """The tracker went quiet (restarted?), or ``why``, our sources refuse us: HELLO again with our rank and
+        what we hold (its WELCOME carries a new plan)."""
+        self.asked_plan = why is not None
+        if why is not None:
+            log.info("asking tracker %s for a new plan: %s", self.addr, why)
+        elif self.hello_sent == 0.0 or now - self.hello_sent > 5 * RETRY_INTERVAL:
             log.warning("tracker %s silent for %.0f s: introducing ourselves again", self.addr, now - self.heard)
         self.hello_sent = now
         if self.publishes is not None:  # a restarted standalone tracker knows no manifest: tell it ours first

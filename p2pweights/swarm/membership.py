@@ -8,9 +8,12 @@ restarted tracker has a new key: no old secret proves anything to it, and a
 member re-introducing itself joins anew (at its old rank while nobody holds it).
 
 Each plan entry a member is sent (a parent or partner ``p``) carries a
-``ticket``: a MAC of the member's rank under ``p``'s secret.  ``p`` checks it
-at ATTACH with its own secret alone (``ticket_ok``), so a node serves only
-peers the tracker placed with it, and a stranger cannot take its child slots.
+``ticket``: the member's session (a count of its joins at this tracker) and a
+MAC of its rank and session under ``p``'s secret.  ``p`` checks it at ATTACH
+with its own secret alone (``ticket_ok``), so a node serves only peers the
+tracker placed with it, and a stranger cannot take its child slots.  A node
+keeps one attached child per rank, the latest session's (``admission``): a
+member that joined again voids the tickets of its earlier sessions.
 """
 from __future__ import annotations
 
@@ -25,15 +28,22 @@ def _mac(key: bytes, text: str) -> str:
     return blake2b(text.encode(), key=key[:64], digest_size=SECRET_BYTES).hexdigest()
 
 
-def ticket_for(secret: str, rank: int) -> str:
-    """The ticket that admits ``rank`` at the node holding ``secret``."""
-    return _mac(secret.encode(), f"attach:{rank}")
+def ticket_for(secret: str, rank: int, session: int = 0) -> str:
+    """The ticket that admits ``rank``, in its ``session``, at the node holding ``secret``."""
+    return f"{session}.{_mac(secret.encode(), f'attach:{rank}:{session}')}"
+
+
+def ticket_session(ticket) -> int | None:
+    """The session a ticket names (None: not a ticket's form)."""
+    head = ticket.partition(".")[0] if isinstance(ticket, str) and "." in ticket else ""
+    return int(head) if head.isdigit() and len(head) <= 12 else None
 
 
 def ticket_ok(secret: str | None, rank, ticket) -> bool:
     """Whether ``ticket`` (from an ATTACH) admits ``rank`` at the node holding ``secret``."""
-    return (secret is not None and type(rank) is int and isinstance(ticket, str)
-            and compare_digest(ticket_for(secret, rank), ticket))
+    session = ticket_session(ticket)
+    return (secret is not None and type(rank) is int and session is not None
+            and compare_digest(ticket_for(secret, rank, session), ticket))
 
 
 class Seal:
@@ -41,6 +51,12 @@ class Seal:
 
     def __init__(self, key: bytes | None = None):
         self.key = os.urandom(32) if key is None else key
+        self.sessions: dict[int, int] = {}  # rank -> its joins here: the session its tickets name
+
+    def begin(self, rank: int) -> int:
+        """Member ``rank`` (re)joined: a new session, whose tickets void its earlier ones where it attaches."""
+        self.sessions[rank] = self.sessions.get(rank, 0) + 1
+        return self.sessions[rank]
 
     def secret(self, rank: int) -> str:
         """Member ``rank``'s secret (the seeder is rank 0)."""
@@ -51,5 +67,5 @@ class Seal:
         return type(rank) is int and isinstance(secret, str) and compare_digest(self.secret(rank), secret)
 
     def ticket(self, parent: int, child: int) -> str:
-        """What ``child`` shows ``parent`` at ATTACH."""
-        return ticket_for(self.secret(parent), child)
+        """What ``child``, in its latest session, shows ``parent`` at ATTACH."""
+        return ticket_for(self.secret(parent), child, self.sessions.get(child, 0))

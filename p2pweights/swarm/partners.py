@@ -77,6 +77,7 @@ class Partners:
         self.plan: list[dict] = []  # {stripe, rank, addr} per stripe, as the tracker said
         self.tickets: dict[int, str] = {}  # rank -> the ticket that admits us there (the tracker's plan entry's)
         self.pulls = True  # False: a seeder among peers serves what it reads and pulls from nobody
+        self.refusal: str | None = None  # the last partner's refusal of our ATTACH, for a give-up's message
 
     def watch(self, now: float) -> None:
         for link in list(self.links.values()):
@@ -215,16 +216,18 @@ class Partners:
             self._close_socket(link.socket, BYE_LINGER_MS if bye else 0)
         n.pull.drop(rank)
 
-    def refused(self, rank: int) -> None:
-        """Partner ``rank`` does not admit us (our ticket is not one its tracker gave): drop the link until a
-        plan names it again; the seeder refusing means its tracker restarted, so introduce ourselves now."""
+    def refused(self, rank: int, why: str = "it does not admit us (not placed there)") -> None:
+        """Partner ``rank`` refuses our ATTACH (a ticket its tracker did not give, or a newer one of our rank
+        attached, or it is full): drop the link until a plan names it again, and pull from the others; the
+        seeder refusing, or nobody left to pull from, asks the tracker for a new plan now."""
         n = self.node
+        self.refusal = f"partner rank {rank} refused us: {why}"
         if rank == 0 and n.member is not None:
             self.close(rank)
-            if n.clock() - n.member.hello_sent > 1.0:
-                n.member.reintroduce(n.clock())
         else:
-            self.give_up(rank, "it does not admit us (not placed there)", level=logging.INFO)
+            self.give_up(rank, f"refused us: {why}", level=logging.INFO)
+        if (rank == 0 or not self.links) and n.member is not None and n.clock() - n.member.hello_sent > 1.0:
+            n.member.reintroduce(n.clock(), self.refusal)
 
     def dropped(self, link: PartnerLink) -> None:
         """``link``'s monitor has events: if its connection dropped, give the partner up now (its

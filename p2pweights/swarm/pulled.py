@@ -73,12 +73,13 @@ class PartnerHandlers:
                 raise ProtocolError(f"HAVE names chunk {max(event.indices)}; the blob has {n.manifest.n_chunks}")
             n.pull.has(link.rank, event.indices)
         elif event.type == Msg.ERROR and str(event.fields.get("message")).startswith(NOT_PLACED):
-            n.partners.refused(link.rank)  # our ticket is stale (a restarted tracker): ask for a new plan
+            n.partners.refused(link.rank, str(event.fields.get("message")))  # a stale ticket: ask for a new plan
         elif event.type == Msg.ERROR and event.fields.get("fatal"):
-            if "model id" in str(event.fields.get("message")) or len(n.partners.links) <= 1:  # nobody else to ask
-                n._fail(f"partner {link.addr} refused us: {event.fields.get('message')}")
-            else:
-                n.partners.give_up(link.rank, f"refused us: {event.fields.get('message')}")
+            why = str(event.fields.get("message"))
+            if "model id" in why or (n.member is None and len(n.partners.links) <= 1):  # nobody else to ask
+                n._fail(f"partner {link.addr} refused us: {why}")
+            else:  # full, or it refuses us for now: the other sources, and the tracker's next plan
+                n.partners.refused(link.rank, why)
         elif event.type == Msg.ERROR:  # it lost our state (restarted?): attach again, ask again
             log.warning("partner %s: %s; attaching again", link.addr, event.fields.get("message"))
             n.partners.close(link.rank)

@@ -347,6 +347,7 @@ class Tracker:
         m = self.members.get(rank) if self.seal.proves(rank, secret) else None
         if m is not None:
             was_left, m.listen = m.left, listen
+            self.seal.begin(m.rank)
             self.roster.arrive(m)
             moves = self.topology.place(m.rank) if self.placed and was_left else []
             self.pullers.assign(m, self._place(m.rank))
@@ -359,6 +360,7 @@ class Tracker:
             rank = self.roster.top + 1
         self.last_join = now = self.clock()
         self.members[rank] = m = Member(rank, peer_id, listen, [], joined=now, seen=now)
+        self.seal.begin(rank)
         self.roster.arrive(m)
         moves = self.topology.place(rank) if self.placed else []
         self.pullers.assign(m, self._place(rank))
