@@ -314,3 +314,127 @@ def test_one_ticket_admits_one_child_and_a_rejoin_voids_the_old_one(tmp_path):
             member.close()
             for x in links:
                 x.close()
+
+
+# ----- real processes: p2pw tracker, p2pw get, a stranger member -------------------------------------------------
+
+def _lookup(port: int, url: str) -> Manifest:
+    from hostile import Stranger
+
+    s = Stranger(port)
+    try:
+        e = s.ask(Msg.LOOKUP, url=url, timeout=10)
+        assert e is not None and e.type == Msg.MANIFEST, e
+        return Manifest.from_wire(bytes(e.payload))
+    finally:
+        s.close()
+
+
+def _wait_all(procs_list, stranger, timeout: float = 150) -> None:
+    """Wait for each process to exit, the stranger heartbeating meanwhile (so it is never dropped as silent)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while any(p.popen.poll() is None for p in procs_list) and time.monotonic() < deadline:
+        stranger.send(Msg.HEARTBEAT, have=0)
+        time.sleep(0.3)
+
+
+class Mute:
+    """A stranger's node: a real port that admits every ATTACH (holding nothing) and heartbeats every link, so
+    nobody finds it dead; it serves nothing."""
+
+    def __init__(self, n_chunks: int):
+        import threading
+
+        import zmq
+
+        self.zmq, self.n = zmq, n_chunks
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.links: set = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if self.sock.poll(200):
+                ident, *frames = self.sock.recv_multipart()
+                try:
+                    kind = protocol.decode(frames).type
+                except ProtocolError:
+                    continue
+                if kind == Msg.ATTACH:
+                    self.links.add(ident)
+                    self.sock.send_multipart([ident, protocol.control(Msg.ATTACHED, n_chunks=self.n),
+                                              protocol.pack_bits([False] * self.n)])
+            for ident in self.links:
+                self.sock.send_multipart([ident, protocol.control(Msg.HEARTBEAT)], self.zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.mark.timeout(240)
+def test_a_stranger_reader_claiming_every_chunk_and_done_stalls_no_honest_get(procs, tmp_path, model_dir):
+    from conftest import same_tree
+    from hostile import Stranger
+    from test_fleet_get import get, publish, start_tracker
+
+    s3 = pytest.importorskip("test_s3")
+    moto = s3.MotoServer()
+    stranger = None
+    try:
+        s3.upload(moto.client(), model_dir, "fleet", "model/")
+        url = "s3://fleet/model"
+        _, port = start_tracker(procs, tmp_path)
+        publish(port, url, env=s3.s3_env(moto.url))
+        m = _lookup(port, url)
+        mute = Mute(m.n_chunks)
+        stranger = Stranger(port)
+        e = stranger.ask(Msg.HELLO, peer_id="liar", listen=f"127.0.0.1:{mute.port}", model_id=m.model_id,
+                         origin=True)
+        assert e.type == Msg.WELCOME
+        for k in range(0, m.n_chunks, protocol.MAX_REQUEST):  # it read every chunk, it says, and holds them all
+            stranger.send(Msg.READ, chunks=list(range(k, min(k + protocol.MAX_REQUEST, m.n_chunks))))
+        stranger.send(Msg.DONE, rank=e.fields["rank"])
+        gets = [get(procs, url, port, tmp_path / f"r{k}", env=s3.s3_env(moto.url)) for k in range(2)]
+        _wait_all(gets, stranger)
+        for k, p in enumerate(gets):
+            assert p.wait(10) == 0, p.output()
+            assert same_tree(model_dir, tmp_path / f"r{k}") == []
+    finally:
+        if stranger is not None:
+            stranger.close()
+            mute.close()
+        moto.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_member_that_never_finishes_keeps_no_get_from_exiting(procs, tmp_path):
+    from conftest import same_tree
+    from hostile import Stranger
+    from p2pweights.sources.synth import write_synthetic_model
+    from test_fleet_get import get, publish, start_tracker
+
+    model = tmp_path / "model"
+    write_synthetic_model(model, size_mb=2, shards=2)
+    _, port = start_tracker(procs, tmp_path)
+    publish(port, model)
+    m = _lookup(port, str(model))
+    stranger = Stranger(port)
+    try:  # a member that pulls, never finishes, and heartbeats: the get is the last (only) complete member
+        assert stranger.ask(Msg.HELLO, peer_id="slowpoke", listen="127.0.0.1:9", model_id=m.model_id).type == \
+            Msg.WELCOME
+        p = get(procs, model, port, tmp_path / "out", "--linger", "0", "--model-id", m.model_id)
+        _wait_all([p], stranger, timeout=90)
+        assert p.wait(10) == 0, p.output()
+        assert same_tree(model, tmp_path / "out") == []
+    finally:
+        stranger.close()
