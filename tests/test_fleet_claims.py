@@ -298,6 +298,14 @@ def test_one_ticket_admits_one_child_and_a_rejoin_voids_the_old_one(tmp_path):
             fresh = next(p["ticket"] for p in w2["parents"] if p["rank"] == 0)
             assert w2["rank"] == rank and fresh != ticket
             assert links[8].ask(Msg.ATTACH, **attach, ticket=fresh).type == Msg.ATTACHED
+            lanes = [Stranger(s.port) for _ in range(2)]
+            try:  # a lane binds to the child attached with the same rank, peer id and ticket
+                e = lanes[0].ask(Msg.LANE, **attach, ticket=ticket, lane=1)
+                assert e.type == Msg.ERROR and "not attached" in e.fields["message"]
+                assert lanes[1].ask(Msg.LANE, **attach, ticket=fresh, lane=1).type == Msg.LANE_OK
+            finally:
+                for x in lanes:
+                    x.close()
             e = links[9].ask(Msg.ATTACH, **attach, ticket=ticket)
             assert e.type == Msg.ERROR and "earlier session" in e.fields["message"]  # the old session's: void
             assert [c.rank for c in s.node.children.values()] == [rank]
@@ -341,15 +349,15 @@ def _wait_all(procs_list, stranger, timeout: float = 150) -> None:
 
 
 class Mute:
-    """A stranger's node: a real port that admits every ATTACH (holding nothing) and heartbeats every link, so
-    nobody finds it dead; it serves nothing."""
+    """A stranger's node: a real port that admits every ATTACH, claiming it holds every chunk (``claims``) or
+    none, and heartbeats every link, so nobody finds it dead; it serves nothing."""
 
-    def __init__(self, n_chunks: int):
+    def __init__(self, n_chunks: int, claims: bool = True):
         import threading
 
         import zmq
 
-        self.zmq, self.n = zmq, n_chunks
+        self.zmq, self.n, self.claims = zmq, n_chunks, claims
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -370,7 +378,7 @@ class Mute:
                 if kind == Msg.ATTACH:
                     self.links.add(ident)
                     self.sock.send_multipart([ident, protocol.control(Msg.ATTACHED, n_chunks=self.n),
-                                              protocol.pack_bits([False] * self.n)])
+                                              protocol.pack_bits([self.claims] * self.n)])
             for ident in self.links:
                 self.sock.send_multipart([ident, protocol.control(Msg.HEARTBEAT)], self.zmq.NOBLOCK)
 

@@ -43,6 +43,7 @@ class PartnerLink:
         self.rank, self.addr, self.socket, self.conn = rank, addr, socket, conn
         self.last_heard, self.last_chunk, self.orphan_sent, self.monitor = last_heard, last_chunk, orphan_sent, monitor
         self.lanes: list[Lane] = []
+        self.ticket: str | None = None  # the ticket it admitted us with: our lanes show the same
 
 
 class Lane:
@@ -155,12 +156,13 @@ class Partners:
         self.links[rank] = PartnerLink(rank, addr, sock, Connection(CLIENT_TRANSITIONS, "attaching"), now, now,
                                        monitor=monitor)
         self.owner[sock] = (self.links[rank], None)
+        self.links[rank].ticket = self.tickets.get(rank)
         n.pull.add(rank)
         n.poller.register(sock, zmq.POLLIN)
         if monitor is not None:
             n.poller.register(monitor, zmq.POLLIN)
         send_nowait(sock, protocol.control(Msg.ATTACH, peer_id=n.peer_id, rank=n.rank, model_id=n.model_id,
-                                           ticket=self.tickets.get(rank)))
+                                           ticket=self.links[rank].ticket))
 
     def _socket(self) -> zmq.Socket:
         """A DEALER to a partner: chunks up to the manifest's size, a few windows of them queued."""
@@ -183,7 +185,7 @@ class Partners:
             self.owner[sock] = (link, lane)
             n.poller.register(sock, zmq.POLLIN)
             send_nowait(sock, protocol.control(Msg.LANE, peer_id=n.peer_id, rank=n.rank, model_id=n.model_id,
-                                               ticket=self.tickets.get(link.rank), lane=number))
+                                               ticket=link.ticket, lane=number))
 
     def close_lane(self, link: PartnerLink, lane: Lane) -> None:
         """Close one lane of ``link``; the partner sends on the link and the others."""
