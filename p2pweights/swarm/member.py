@@ -126,6 +126,7 @@ class Membership:
         self.reads = [i for i, held in enumerate(self.node.store.have) if held]
 
     def _report_reads(self) -> None:
+        self.reads = list(dict.fromkeys(self.reads))  # one chunk read and published is reported once
         while self.reads:
             batch, self.reads = self.reads[:protocol.MAX_REQUEST], self.reads[protocol.MAX_REQUEST:]
             self.post(protocol.control(Msg.READ, chunks=batch))
@@ -167,8 +168,12 @@ class Membership:
                 self.post(protocol.control(Msg.LEAVE, rank=node.rank,
                                            **({} if self.linger is None else {"linger": self.linger})))
 
-    def progressed(self, now: float) -> None:
+    def progressed(self, now: float, index: int | None = None) -> None:
+        """Chunk ``index`` is verified: an origin reader tells the tracker it holds it, from a peer too (a second
+        reader's READ vouches for the claim of the reader that read it: ``shares``)."""
         self.progress_at = now
+        if index is not None and self.hello_fields.get("origin"):
+            self.reads.append(index)
 
     def _watch_progress(self, now: float) -> None:
         """Nothing verified for a while: say what we wait for every WAIT_REPORT s, give up at the end."""

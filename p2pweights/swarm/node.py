@@ -370,7 +370,7 @@ class Node:
         """Chunk ``index`` is verified: make it visible, announce it, send it to whoever waits on it."""
         self.store.verified(index)
         if self.member is not None:
-            self.member.progressed(self.clock())
+            self.member.progressed(self.clock(), index)
         if not self.pull.got(index):
             self.pull.verified(index)
         self.serve.verified(index)

@@ -4,10 +4,10 @@ Every member that can read the origin (the bucket, a shared path, a hub
 cache) registers as a reader.  The chunks nobody holds yet (the ``pool``)
 are handed out in blob order, a share of ``batch`` chunks at a time, each
 chunk to one reader only: the origin is read about once in all, by every
-reader in parallel.  A reader reports what it holds of its share (READ) and
-is handed more once half of it is read, so its pipe to the origin stays full
-while the first readers to ask take the front of the blob and later ones the
-rest.  A reader that goes gives back what it had not read.
+reader in parallel.  A reader reports each chunk it holds (READ: of its
+share, or taken from a peer) and is handed more once half of its share is
+read, so its pipe to the origin stays full while the first readers to ask
+take the front of the blob and later ones the rest.  A reader that goes gives back what it had not read.
 
 Claims are hints.  A READ from a member that is no registered reader changes
 nothing.  A share handed out, or a chunk a reader says it read, that no second
@@ -15,7 +15,8 @@ reader has reported held (``vouched``) stands while the fleet moves; once it is
 ``CLAIM_BOUND`` old and some unfinished member has verified nothing for
 ``CLAIM_BOUND`` (``Progress``), it goes back to the pool, never to be handed to
 that reader again (``refuted``).  A member holding the whole model (DONE)
-pauses the handing only while the fleet moves: its uplink serves.
+pauses the handing until the fleet stalls (``registry.Swarm``): its uplink
+serves.
 """
 from __future__ import annotations
 
