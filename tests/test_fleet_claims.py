@@ -446,3 +446,22 @@ def test_a_member_that_never_finishes_keeps_no_get_from_exiting(procs, tmp_path)
         assert same_tree(model, tmp_path / "out") == []
     finally:
         stranger.close()
+
+
+def test_a_share_stays_with_a_reader_still_reading_it_up_to_the_share_bound():
+    from p2pweights.swarm.shares import SHARE_BOUND
+
+    clock = Clock()
+    s = OriginShares(64, batch=32, clock=clock)
+    s.register(1), s.register(2)
+    a = s.hand(1)
+    for k in range(int(SHARE_BOUND) - 1):  # it reads one chunk of its share a second; the fleet stalls
+        clock.t += 1.0
+        s.held(1, [a[k]])
+        s.expire(stalled=True)
+        assert s.out[1] == sum(1 << i for i in a[k + 1:])  # what it has not read yet stays with it
+    clock.t += 2.0
+    s.held(1, [a[int(SHARE_BOUND) - 1]])
+    s.expire(stalled=True)
+    assert s.out[1] == 0  # SHARE_BOUND after it was handed, reading on or not, the rest goes back, and so
+    assert s.hand(2) == a  # do its reads nobody vouched for: all for the other reader

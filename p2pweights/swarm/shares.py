@@ -29,6 +29,7 @@ MAX_SHARE = 64  # chunks one share names at most (256 MiB of 4 MiB chunks)
 SHARES_PER_MODEL = 16  # a model is cut into at least this many shares, so several readers take part
 CLAIM_BOUND = 5.0  # seconds an unvouched claim stands, and an unfinished member may verify nothing, before the claim
 #                    goes back to the pool (well below a joiner's give-up time, 20 s by default)
+SHARE_BOUND = 3 * CLAIM_BOUND  # seconds a share may stay with a reader still reading some of it, while the fleet stalls
 
 
 def share_size(n_chunks: int) -> int:
@@ -52,6 +53,9 @@ class OriginShares:
         self.refuted: dict[int, int] = {}  # reader rank -> its claims that went back unvouched: not handed to it again
         self.claims: deque[tuple[float, int]] = deque()  # (when, chunks) handed out or first said read, oldest first
         self.aged = 0  # claimed ``CLAIM_BOUND`` ago or more
+        self.ageing: deque[tuple[float, int]] = deque()  # (when, chunks) aged, until ``SHARE_BOUND`` old
+        self.stale = 0  # handed out ``SHARE_BOUND`` ago or more: no reader keeps them for reading on
+        self.reading: dict[int, float] = {}  # reader rank -> when it was handed a share afresh, or read of it
 
     @property
     def readers(self) -> list[int]:
@@ -68,6 +72,8 @@ class OriginShares:
             return
         bits = bitset_of(i for i in chunks if 0 <= i < self.n)
         self.vouched |= bits & self._reads_besides(rank)
+        if bits & self.out[rank]:
+            self.reading[rank] = self.clock()
         self._claim(bits & ~self.read & ~self.out[rank])  # a chunk handed to it was claimed when handed
         self.read |= bits
         self.pool &= ~bits
@@ -88,14 +94,25 @@ class OriginShares:
 
     def expire(self, stalled: bool) -> int:
         """Claims ``CLAIM_BOUND`` old that no second reader vouched for go back to the pool while the fleet
-        ``stalled`` (``Progress``), and are never handed to their claimers again; returns them (a bitset)."""
-        limit = self.clock() - CLAIM_BOUND
+        ``stalled`` (``Progress``), and are never handed to their claimers again; returns them (a bitset).  A
+        share stays with a reader that read some of it within ``CLAIM_BOUND`` (its pipe to the origin is full),
+        up to ``SHARE_BOUND`` after it was handed."""
+        now = self.clock()
+        limit = now - CLAIM_BOUND
         while self.claims and self.claims[0][0] <= limit:
-            self.aged |= self.claims.popleft()[1]
+            self.ageing.append(self.claims.popleft())
+            self.aged |= self.ageing[-1][1]
+        while self.ageing and self.ageing[0][0] <= now - SHARE_BOUND:
+            self.stale |= self.ageing.popleft()[1]
         back = self.aged & ~self.vouched
         if not stalled or not back:
             return 0
-        self.aged = 0
+        kept = 0
+        for r, handed in self.out.items():
+            if self.reading.get(r, float("-inf")) > limit:
+                kept |= handed & back & ~self.stale
+        back &= ~kept
+        self.aged, self.stale = kept, self.stale & kept
         for r in self.out:
             lost = (self.out[r] | self.read_by.get(r, 0)) & back
             if lost:
@@ -109,6 +126,7 @@ class OriginShares:
     def gone(self, rank: int) -> None:
         """Reader ``rank`` left: what it had not read goes back to the pool; what it alone read is an orphan."""
         self.pool |= self.out.pop(rank, 0) & ~self.read
+        self.reading.pop(rank, None)
         self.orphans |= self.read_by.pop(rank, 0) & ~self._live_reads()
 
     def _live_reads(self) -> int:
@@ -135,6 +153,8 @@ class OriginShares:
         if complete_holder or not self.hungry(rank):
             return []
         outstanding = self.out[rank].bit_count()
+        if not outstanding:
+            self.reading[rank] = self.clock()
         take = lowest_of(self.pool & ~self.refuted.get(rank, 0), self.batch - outstanding)
         bits = bitset_of(take)
         self.pool &= ~bits
