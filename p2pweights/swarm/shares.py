@@ -49,6 +49,7 @@ class OriginShares:
         self.handed = 0  # chunks handed out in all (a chunk handed again after its reader went counts twice)
         self.read_by: dict[int, int] = {}  # reader rank -> what it reported held
         self.orphans = 0  # read only by readers that left since (their peers may hold them, or nobody)
+        self.said = 0  # reported held by some reader, ever
         self.vouched = 0  # reported held by two readers: no single reader's claim
         self.refuted: dict[int, int] = {}  # reader rank -> its claims that went back unvouched: not handed to it again
         self.claims: deque[tuple[float, int]] = deque()  # (when, chunks) handed out or first said read, oldest first
@@ -71,7 +72,9 @@ class OriginShares:
         if rank not in self.out:
             return
         bits = bitset_of(i for i in chunks if 0 <= i < self.n)
-        self.vouched |= bits & self._reads_besides(rank)
+        new = bits & ~self.read_by.get(rank, 0)
+        self.vouched |= new & self.said  # a second reader says it holds them
+        self.said |= new
         if bits & self.out[rank]:
             self.reading[rank] = self.clock()
         self._claim(bits & ~self.read & ~self.out[rank])  # a chunk handed to it was claimed when handed
@@ -84,13 +87,6 @@ class OriginShares:
     def _claim(self, bits: int) -> None:
         if bits:
             self.claims.append((self.clock(), bits))
-
-    def _reads_besides(self, rank: int) -> int:
-        bits = 0
-        for r, b in self.read_by.items():
-            if r != rank:
-                bits |= b
-        return bits
 
     def expire(self, stalled: bool) -> int:
         """Claims ``CLAIM_BOUND`` old that no second reader vouched for go back to the pool while the fleet
