@@ -64,6 +64,7 @@ class RootlessTracker(Tracker):
         most its ``linger`` (``LAST_HOLDER_LINGER`` where it names none) after it was done: then it goes,
         whoever depends on it."""
         m = self._member(rank)
+        self.dropped.discard(rank)  # it asked: gone on its word from here, not revived by a late heartbeat
         if linger is not None:
             m.linger = linger
         if not m.left and m.done and self.clock() - m.done_at >= (LAST_HOLDER_LINGER if m.linger is None
@@ -78,6 +79,11 @@ class RootlessTracker(Tracker):
             if unfinished and not any(x.done for x in others):
                 return unfinished[:MAX_FEEDERS]
         return super().leave(rank, linger)
+
+    def join(self, peer_id: str, listen: str, rank: int | None = None, secret: str | None = None) -> Member:
+        m = super().join(peer_id, listen, rank, secret)
+        self.dropped.discard(m.rank)
+        return m
 
     def gone(self, rank: int) -> list[tuple[int, int]]:
         self.dropped.add(rank)
