@@ -6,9 +6,10 @@ opening many cannot take every slot.  An ATTACH is admitted only with the
 ticket the tracker put in the peer's plan (``membership.ticket_ok``), below
 ``max_children``, and one child per rank: a newer ATTACH with a valid ticket
 for a rank replaces the child attached as that rank, and one with a ticket of
-an earlier session than one seen here is void (``rank_slot``).  A child not heard from for ``child_timeout`` (a peer
-heartbeats every link it pulls over) is dropped, so idle connections that
-attached once cannot keep honest joiners out for ever.
+an earlier session than one seen here is void (``rank_slot``).  A child not
+heard from for ``child_timeout`` (a peer heartbeats every link it pulls over)
+is dropped, so idle connections that attached once cannot keep honest joiners
+out for ever.
 """
 from __future__ import annotations
 

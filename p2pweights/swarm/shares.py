@@ -141,7 +141,8 @@ class OriginShares:
 
     def hungry(self, rank: int) -> bool:
         """Whether reader ``rank`` is at most half through its share while the pool holds more for it."""
-        return bool(self.pool & ~self.refuted.get(rank, 0)) and rank in self.out and self.out[rank].bit_count() <= self.batch // 2
+        return (rank in self.out and bool(self.pool & ~self.refuted.get(rank, 0))
+                and self.out[rank].bit_count() <= self.batch // 2)
 
     def hand(self, rank: int, complete_holder: bool = False) -> list[int]:
         """The next share for reader ``rank``: the lowest chunks of the pool, up to ``batch`` outstanding, once
