@@ -176,20 +176,24 @@ def _found(tracker, url, key, wait, published, model_id) -> tuple[Manifest, dict
 
 
 def trusted(tracker: str, url: str, key=None, *, wait: float = 30.0, published: str | None = None,
-            model_id: str | None = None, read_origin: bool = True, **reading) -> tuple[Manifest, object]:
+            model_id: str | None = None, read_origin: bool = True, opener=None, **reading) -> tuple[Manifest, object]:
     """The manifest of ``url`` this host can trust, and its reader of the origin (None where it reads none).
 
     Trusted is (a) the one whose hash is the id it was given (``model_id``, ``published``'s, a 64-hex ``url``);
     (b) a candidate it checked against the origin itself (``open_source``, strict), walking the tracker's
     candidates past those that do not match; (c) in a keyed fleet (``key``), the tracker's first where this host
-    cannot read the origin.  Else one P2PError saying which to add."""
+    cannot read the origin.  Else one P2PError saying which to add.  ``opener(manifest, strict)`` opens the
+    origin where ``url`` is not read as it is named (the agent's rules); ``open_source`` by default."""
+    if opener is None:
+        def opener(m: Manifest, strict: bool):
+            return open_source(url, m, strict=strict, **reading)
     if model_id is not None and not protocol.is_model_id_prefix(model_id):
         raise P2PError(f"--model-id {model_id[:80]}: give the model id (64 hex digits, or at least the first 16)")
     pinned = published is not None or model_id is not None or protocol.is_model_id(url)
     m, fields = _found(tracker, url, key, wait, published, model_id)
     if pinned:
         read = read_origin and not protocol.is_model_id(url)
-        return m, open_source(url, m, **reading) if read else None
+        return m, opener(m, False) if read else None
     count, refused = max(1, int(fields.get("count") or 1)), []
     for index in range(count):
         if index:
@@ -200,7 +204,7 @@ def trusted(tracker: str, url: str, key=None, *, wait: float = 30.0, published: 
         if not read_origin:
             break
         try:
-            source = open_source(url, m, strict=True, **reading)
+            source = opener(m, True)
         except Mismatch as e:
             log.warning("the manifest of %s published at %s as model %s is not the origin's (%s): trying the next",
                         url, tracker, m.model_id[:16], str(e).splitlines()[0][:300])

@@ -372,3 +372,41 @@ def test_publish_from_takes_ips_and_cidrs_and_refuses_other_addresses():
     assert Publishers.parse(None).allows("1.2.3.4") and not Publishers.parse(None).operator("1.2.3.4")
     with pytest.raises(UserError):
         Publishers.parse("10.0.0.0/33")
+
+
+def test_the_agent_walks_past_a_strangers_manifest_to_the_one_its_origin_holds(procs, tmp_path, model_dir):
+    """An unkeyed agent pre-warming a local origin (``--local-root``) checks each candidate the tracker lists for
+    the URL: the stranger's forged one (first come, the real sizes) is passed over; its clients get the origin's
+    bytes."""
+    from test_agent import agent, status, until
+    from test_fleet_get import published_id
+
+    _, port = start_tracker(procs, tmp_path)
+    forged_dir, forged = strangers_model(tmp_path, model_dir, "forged", same_sizes=True)
+    answer, s = stranger_publishes(port, str(model_dir), forged, source="127.0.0.2")
+    s.close()
+    assert answer.type == Msg.PUBLISHED
+    honest = published_id(publish(port, model_dir))  # the honest manifest comes second
+    cache, prewarm = tmp_path / "cache", tmp_path / "prewarm.txt"
+    prewarm.write_text(f"{model_dir}\n")
+    a = agent(procs, tmp_path, port, cache, "--local-root", model_dir, "--prewarm", prewarm)
+    assert until(lambda: status(cache).get(honest, {}).get("state") == "ready", proc=a)
+    g = procs.start("get", honest, "--agent", cache, "--out", tmp_path / "out", "-q")
+    assert g.wait(120) == 0, g.output()
+    assert same_tree(model_dir, tmp_path / "out") == []
+
+
+def test_an_unkeyed_agent_that_can_check_nothing_refuses_the_url(procs, tmp_path, model_dir):
+    from test_agent import agent
+
+    _, port = start_tracker(procs, tmp_path)
+    publish(port, model_dir)
+    cache = tmp_path / "cache"
+    prewarm = tmp_path / "prewarm.txt"
+    prewarm.write_text(f"{model_dir}\n")
+    a = agent(procs, tmp_path, port, cache, "--prewarm", prewarm)  # no --local-root: it reads no local origin
+    deadline = time.monotonic() + 60
+    while "not one this host can trust" not in a.output():
+        assert time.monotonic() < deadline, a.output()
+        time.sleep(0.05)
+    assert not os.path.exists(cache / "models") or not os.listdir(cache / "models")

@@ -88,8 +88,9 @@ class Keeper:
     # ----- asking for a model -------------------------------------------------------------------
 
     def resolve(self, model: str):
-        """``(model_id, url or None, manifest or None)`` of a model named by URL or id."""
-        from ..origin import find
+        """``(model_id, url or None, found)`` of a model named by URL or id; ``found``: None, or the manifest
+        this agent can trust for the URL and its reader of the origin (``origin.trusted``)."""
+        from ..origin import trusted
 
         text = model.strip()
         if MODEL_ID.fullmatch(text.lower()):
@@ -98,7 +99,7 @@ class Keeper:
                 mine = [m for m in self.held if m.startswith(text)]
             known = mine or [m for m in self.cache.model_ids() if m.startswith(text)]
             if len(set(known)) == 1:
-                return known[0], self.urls.get(known[0]), self.cache.manifest(known[0])
+                return known[0], self.urls.get(known[0]), None  # the cache's manifest, verified when it was kept
             if len(text) == 64:  # a swarm the tracker may know by id alone
                 return text, self.urls.get(text), None
             raise AgentError(f"{'more than one' if known else 'no'} model here matches {text!r}: give the whole id "
@@ -107,12 +108,13 @@ class Keeper:
             known = [m for m, u in self.urls.items() if u == text and m in self.held]
         if known and self.held[known[0]].state != "failed":
             return known[0], text, None
-        m = find(self.tracker, text, self.key, wait=self.connect_timeout)
-        return m.model_id, text, m
+        m, source = trusted(self.tracker, text, self.key, wait=self.connect_timeout, read_origin=not self.no_origin,
+                            opener=lambda m, strict: self._origin_source(text, m, strict))
+        return m.model_id, text, (m, source)
 
     def get(self, model: str, wait: float = START_WAIT) -> Held:
         """The model, its copy being written or held (started here once, however many ask at once)."""
-        model_id, url, manifest = self.resolve(model)
+        model_id, url, found = self.resolve(model)
         with self.lock:
             if self.closed:
                 raise AgentError("the agent is stopping")
@@ -122,17 +124,17 @@ class Keeper:
                 h = self.held[model_id] = Held(model_id, url or self.urls.get(model_id),
                                                self.cache.copy_dir(model_id))
         if fresh:
-            self.start(h, manifest)
+            self.start(h, found)
         if not h.started.wait(wait):
             raise AgentError(f"model {model_id[:16]} not started after {wait:g} s")
         if h.state == "failed":
             raise AgentError(f"model {model_id[:16]}: {h.error}")
         return h
 
-    def start(self, h: Held, manifest) -> None:
+    def start(self, h: Held, found=None) -> None:
         """Join the model's swarm with its copy (fetching what is missing); a thread waits for it to complete."""
         try:
-            h.dl, h.origin = self._join(h, manifest)
+            h.dl, h.origin = self._join(h, found)
             h.state = "ready" if h.dl.store.complete and h.dl.cache.complete else "fetching"
             threading.Thread(target=self._finish, args=(h,), name="p2pw-agent-model", daemon=True).start()
         except (UserError, OSError) as e:
@@ -141,22 +143,22 @@ class Keeper:
         finally:
             h.started.set()
 
-    def _join(self, h: Held, manifest):
+    def _join(self, h: Held, found):
         from .. import api
         from ..origin import Origin, lookup, publish
 
         url = h.url or f"p2pw:{h.model_id}"  # a model known by id only: its swarm, under a name of the agent's
-        manifest = manifest or self.cache.manifest(h.model_id)
+        manifest, source = found or (self.cache.manifest(h.model_id), None)
         if manifest is None and h.url:
             manifest = lookup(self.tracker, url, self.key, model_id=h.model_id)
         origin = None
         if manifest is not None:
-            known = lookup(self.tracker, url, self.key)
-            if known is None or known.model_id != manifest.model_id:
+            if lookup(self.tracker, url, self.key, model_id=manifest.model_id) is None:  # a candidate of its own
                 publish(self.tracker, url, manifest, self.key)
             self._remember_url(h.model_id, url)
             self.make_room(manifest)
-            source = None if self.no_origin or h.url is None else self._origin_source(url, manifest)
+            if found is None and not self.no_origin and h.url is not None:  # pinned by its id: read unchecked
+                source = self._origin_source(url, manifest)
             origin = Origin(url, manifest, source)
         dl = api.join(self.tracker, out=h.path, model_id=h.model_id, cache=self.cache, key=self.key,
                       host=self.host, advertise=self.advertise, origin=origin, connect_timeout=self.connect_timeout)
@@ -171,7 +173,7 @@ class Keeper:
                 raise
         return dl, origin
 
-    def _origin_source(self, url: str, manifest):
+    def _origin_source(self, url: str, manifest, strict: bool = False):
         """A reader of ``url``'s origin where ``rules.origin_of`` lets this agent read it, else None (said why)."""
         from ..origin import open_source
         from ..storage import hfcache
@@ -185,7 +187,7 @@ class Keeper:
         if kind is None:
             log.warning("not reading the origin %s here (%s): taking every chunk from peers", url, what[:300])
             return None
-        return open_source(what, manifest)
+        return open_source(what, manifest, strict=strict)
 
     def _finish(self, h: Held) -> None:
         try:
