@@ -38,8 +38,8 @@ def joins(n: int, slow: float, seed: int = 1) -> float:
     import random
     import time
 
-    from p2pweights.swarm.topology import make
-    from p2pweights.swarm.tracker import Tracker
+    from p2pweights.swarm.tracker.topology import make
+    from p2pweights.swarm.tracker.tracker import Tracker
 
     rng = random.Random(seed)
     t = Tracker(make("forest:2"), "tcp://seeder:7420")

@@ -10,9 +10,9 @@ import importlib
 import os
 import sys
 
-JOIN_MODULES = ("zmq", "p2pweights.cli", "p2pweights.api", "p2pweights.swarm.node", "p2pweights.swarm.pull",
-                "p2pweights.storage.store", "p2pweights.storage.cache", "p2pweights.storage.ring", "p2pweights.swarm.serve",
-                "p2pweights.swarm.handlers", "p2pweights.swarm.partners", "p2pweights.swarm.member", "p2pweights.swarm.uplink",
+JOIN_MODULES = ("zmq", "p2pweights.cli", "p2pweights.api", "p2pweights.swarm.node.node", "p2pweights.swarm.policy.pull",
+                "p2pweights.storage.store", "p2pweights.storage.cache", "p2pweights.storage.ring", "p2pweights.swarm.policy.serve",
+                "p2pweights.swarm.node.handlers", "p2pweights.swarm.node.partners", "p2pweights.swarm.node.member", "p2pweights.swarm.node.uplink",
                 "p2pweights.storage.modelcache", "p2pweights.storage.hfcache", "p2pweights.wire.keys")  # what ``p2pw join --out``
 #   imports (``sys.modules`` after one): one it misses is imported after the go, as in a cold run
 

@@ -22,9 +22,9 @@ from .storage.cache import STATE_DIR, DiskCache, copy_paths, marker_matches, rem
 from .storage.localcopy import Attached, WriterGone, attach, claim as claim_copy  # noqa: F401 (attach, WriterGone: the API)
 from .storage.modelcache import CacheTooSmall, ModelCache, describe_failure
 from .sources.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
-from .swarm.admission import CHILD_TIMEOUT, MAX_PER_HOST, MEMBER_TIMEOUT
-from .swarm.member import WAIT_REPORT
-from .swarm.node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
+from .swarm.tracker.admission import CHILD_TIMEOUT, MAX_PER_HOST, MEMBER_TIMEOUT
+from .swarm.node.member import WAIT_REPORT
+from .swarm.node.node import DEFAULT_WINDOW, GIVE_UP_AFTER, PARENT_TIMEOUT, Node, bind_router, tcp
 from .wire.protocol import Msg, ProtocolError, valid_host
 from .storage.ring import ChunkRing, ring_budget
 from .storage.workers import default_workers, in_flight_limit
@@ -95,8 +95,8 @@ class Seeder:
                  probe_port: int = 0, member_timeout: float = MEMBER_TIMEOUT, child_timeout: float = CHILD_TIMEOUT,
                  max_per_host: int = MAX_PER_HOST, tracker: str | None = None, io_threads: int | None = None):
         from .sources.chunker import build  # the seeder's parts: a join never imports them (start-up is on the clock)
-        from .swarm.topology import make as make_topology
-        from .swarm.tracker import Tracker
+        from .swarm.tracker.topology import make as make_topology
+        from .swarm.tracker.tracker import Tracker
         self.path = self.url = os.fspath(path)  # url: the origin as given (a standalone tracker knows it so)
         origin = etags = None
         if not os.path.exists(self.path) and hfcache.parse_repo_ref(self.path):  # ORG/NAME[@REVISION]
@@ -266,7 +266,7 @@ class Seeder:
 def _probe_sink(host: str, port: int):
     """The seeder's ``uplink.ProbeSink`` on host:port; with port 0 any free one, or None where none
     can listen (joiners then go unprobed, and the rate reviews find slow hosts)."""
-    from .swarm.uplink import ProbeSink
+    from .swarm.node.uplink import ProbeSink
 
     try:
         return ProbeSink(host, port)
@@ -686,10 +686,10 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     the copy goes to (or is found complete in) the cache, which evicts first under its size and remembers repeating
     failures (``retry_now`` ignores them).  ``hf_cache`` (a hub cache directory): the copy in the Hugging Face
     layout there (``hfcache``).  ``trace``: keep when and from whom each chunk verified (``Download.arrivals``).
-    ``limits``: ``swarm.admission``'s.  ``origin`` (``origin.Origin``): ``parent`` is a standalone tracker; with its
+    ``limits``: ``swarm.tracker.admission``'s.  ``origin`` (``origin.Origin``): ``parent`` is a standalone tracker; with its
     ``source``, this host reads the shares of the origin it is handed.  ``workers``, ``io_threads``, ``lanes``: threads
     that verify and write received chunks beside the loop, libzmq's that carry bytes, connections to pull over from
-    each partner (``default_workers``, ``wire.context``, ``swarm.lanes``).
+    each partner (``default_workers``, ``wire.context``, ``swarm.node.lanes``).
 
     One download per folder on a host: while another local process writes ``out`` (``localcopy``), this returns an
     ``Attached`` that reads that copy's files as they are verified, fetching nothing.

@@ -17,8 +17,8 @@ import threading
 import time
 
 from .errors import UserError
-from .swarm.admission import CHILD_TIMEOUT, MAX_PER_HOST, MEMBER_TIMEOUT
-from .swarm.pull import DEFAULT_WINDOW
+from .swarm.tracker.admission import CHILD_TIMEOUT, MAX_PER_HOST, MEMBER_TIMEOUT
+from .swarm.policy.pull import DEFAULT_WINDOW
 
 log = logging.getLogger("p2pw")
 
@@ -599,7 +599,7 @@ def s3_flags(p) -> None:
 
 
 def limit_flags(p) -> None:
-    """What one host may hold at a serving node (``swarm.admission``)."""
+    """What one host may hold at a serving node (``swarm.tracker.admission``)."""
     p.add_argument("--child-timeout", type=seconds, default=CHILD_TIMEOUT, metavar="S",
                    help=f"drop a peer pulling from this one that is silent for S seconds (default {CHILD_TIMEOUT:g}; "
                         "peers heartbeat every link)")

@@ -43,7 +43,7 @@ class Origin:
     def serve(self, node) -> None:
         """``node`` (joined, not started) publishes the manifest again to a restarted tracker, and, with a
         source, reads the shares it is handed and tells the tracker what it holds."""
-        from .swarm.originread import attach
+        from .swarm.node.originread import attach
 
         node.member.publishes = (self.url, self.manifest.wire_bytes())
         if self.source is not None:
@@ -86,7 +86,7 @@ def _ask(tracker: str, frames: list, key, timeout: float, ctx=None):
 
 
 def _send_frames(sock, addr: str, frames: list, timeout: float, key) -> bool:
-    from .swarm.node import tcp
+    from .swarm.node.node import tcp
 
     watch = keys.LinkWatch(sock, addr, key)
     try:
@@ -306,7 +306,7 @@ def member_of(s, tracker: str, *, host: str, port: int, advertise: str | None, w
     publishes its manifest, joins, serves what it reads of the shares it is handed, and pulls nothing."""
     from .api import _handshake, local_ip_towards, parse_addr
     from .sources.source import sending_read_bytes
-    from .swarm.node import Node, bind_router
+    from .swarm.node.node import Node, bind_router
 
     t_host, t_port = parse_addr(tracker)
     tracker = f"{t_host}:{t_port}"
@@ -345,11 +345,11 @@ class Tracking:
                  advertise: str | None = None, max_peers: int = 10_000, member_timeout: float | None = None,
                  probe_port: int = 0, max_per_host: int | None = None, publish_from: str | None = None):
         from .api import _probe_sink, parse_addr
-        from .swarm.node import bind_router
-        from .swarm.registry import Registry
-        from .swarm.topology import make
-        from .swarm.publishers import Publishers
-        from .swarm.trackerd import MAX_MESSAGE, TrackerServer
+        from .swarm.node.node import bind_router
+        from .swarm.tracker.registry import Registry
+        from .swarm.tracker.topology import make
+        from .swarm.tracker.publishers import Publishers
+        from .swarm.node.trackerd import MAX_MESSAGE, TrackerServer
 
         if not hasattr(make(topology), "place"):  # a bad name fails before anything listens
             raise P2PError(f"--topology {topology}: a tracker with no seeder places forest:K plans only (a rule-based "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from test_pull import CHUNK, Clock
 
-from p2pweights.swarm.pull import PullScheduler
+from p2pweights.swarm.policy.pull import PullScheduler
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "pull_decisions.json"
 SCENARIOS = 160

@@ -9,9 +9,9 @@ import pytest
 
 from p2pweights.agent.rules import PrewarmFile, changes, prewarm_lines, readiness, victims
 from p2pweights.storage.modelcache import Entry, EvictionPolicy
-from p2pweights.swarm.rootless import RootlessTracker, complete_holders
-from p2pweights.swarm.topology import make
-from p2pweights.swarm.tracker import PARTNERS
+from p2pweights.swarm.tracker.rootless import RootlessTracker, complete_holders
+from p2pweights.swarm.tracker.topology import make
+from p2pweights.swarm.tracker.tracker import PARTNERS
 from p2pweights.wire import local
 
 
@@ -129,7 +129,7 @@ def test_a_late_arrival_partners_with_the_complete_holders_first():
 
 
 def test_with_no_complete_holder_a_newcomer_is_partnered_as_before():
-    from p2pweights.swarm.tracker import Tracker
+    from p2pweights.swarm.tracker.tracker import Tracker
 
     t = RootlessTracker(make("forest:2"), "", clock=lambda: 0.0)
     plain = Tracker(make("forest:2"), "", clock=lambda: 0.0)

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import same_tree
 
-from p2pweights.swarm.topology import Binomial
+from p2pweights.swarm.tracker.topology import Binomial
 
 CHUNK = "64KiB"
 

@@ -5,10 +5,10 @@ import pytest
 
 from p2pweights.wire import protocol
 from p2pweights.sources.chunker import build
-from p2pweights.swarm.endpoint import REVIEW_INTERVAL, TrackerEndpoint
+from p2pweights.swarm.tracker.endpoint import REVIEW_INTERVAL, TrackerEndpoint
 from p2pweights.wire.protocol import YOUNG, Msg, ProtocolError
-from p2pweights.swarm.topology import make
-from p2pweights.swarm.tracker import SLOW_EVIDENCE, Tracker
+from p2pweights.swarm.tracker.topology import make
+from p2pweights.swarm.tracker.tracker import SLOW_EVIDENCE, Tracker
 
 
 class Clock:
@@ -237,7 +237,7 @@ def probed(ep, rank, rate, took=0.05, alone=True):
 def test_probes_time_each_joiner_s_uplink_and_a_slow_one_is_a_leaf_at_once(manifest, caplog):
     # WELCOME asks each joiner to time its uplink against the seeder's probe sink; each reports
     # the rate its kernel measured, and the slow host is demoted and the peers it fed are told
-    from p2pweights.swarm.tracker import PROBE_BYTES
+    from p2pweights.swarm.tracker.tracker import PROBE_BYTES
 
     ep, clock = endpoint(manifest)
     ep.probe_port = 7421
@@ -271,7 +271,7 @@ def test_a_probe_alone_on_the_uplink_judges_a_host_with_children_and_one_beside_
 
 def test_a_short_probe_counts_in_the_median_but_demotes_nobody_and_a_garbage_one_is_refused(manifest):
     # a probe that took under PROBE_MIN_TIME is timed to the kernel's jiffies: it proves nothing slow
-    from p2pweights.swarm.tracker import PROBE_MIN_TIME
+    from p2pweights.swarm.tracker.tracker import PROBE_MIN_TIME
 
     ep, _ = endpoint(manifest)
     ep.probe_port = 7421
@@ -294,7 +294,7 @@ def test_a_seeder_without_a_probe_sink_asks_no_joiner_for_a_probe(manifest):
 def test_the_first_peer_done_lends_the_seeder_to_the_peers_furthest_behind_until_its_budget_is_sent(manifest):
     # a peer that is done holds every chunk, so every chunk has left the seeder: its uplink idles
     # from then on, unless lent to the peers with the fewest chunks that do not pull from it by plan
-    from p2pweights.swarm.tracker import ROOT_LOAN_SHARE, ROOT_LOANS
+    from p2pweights.swarm.tracker.tracker import ROOT_LOAN_SHARE, ROOT_LOANS
 
     ep, _ = endpoint(manifest)
     join(ep, 8)

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2pweights.sources.manifest import Manifest
-from p2pweights.swarm.registry import Registry
-from p2pweights.swarm.shares import CLAIM_BOUND, OriginShares, Progress
-from p2pweights.swarm.topology import make
+from p2pweights.swarm.tracker.registry import Registry
+from p2pweights.swarm.tracker.shares import CLAIM_BOUND, OriginShares, Progress
+from p2pweights.swarm.tracker.topology import make
 from p2pweights.wire import protocol
 from p2pweights.wire.protocol import Msg, ProtocolError
 
@@ -229,7 +229,7 @@ def test_whatever_a_stranger_member_claims_both_honest_readers_complete(origin, 
 # ----- linger bounds every get ---------------------------------------------------------------------------------------
 
 def test_the_last_complete_member_stays_for_an_unfinished_one_at_most_its_linger():
-    from p2pweights.swarm.rootless import LAST_HOLDER_LINGER, RootlessTracker
+    from p2pweights.swarm.tracker.rootless import LAST_HOLDER_LINGER, RootlessTracker
 
     clock = Clock()
     t = RootlessTracker(make("forest:2"), "", clock=clock)
@@ -449,7 +449,7 @@ def test_a_member_that_never_finishes_keeps_no_get_from_exiting(procs, tmp_path)
 
 
 def test_a_share_stays_with_a_reader_still_reading_it_up_to_the_share_bound():
-    from p2pweights.swarm.shares import SHARE_BOUND
+    from p2pweights.swarm.tracker.shares import SHARE_BOUND
 
     clock = Clock()
     s = OriginShares(64, batch=32, clock=clock)

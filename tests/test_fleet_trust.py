@@ -293,8 +293,8 @@ def test_a_publish_of_a_manifest_over_one_mib_reaches_the_tracker(procs, tmp_pat
 # ----- the rules alone ---------------------------------------------------------------------------------------------
 
 def registry(**kw):
-    from p2pweights.swarm.registry import Registry
-    from p2pweights.swarm.topology import make
+    from p2pweights.swarm.tracker.registry import Registry
+    from p2pweights.swarm.tracker.topology import make
 
     return Registry(lambda n: make("forest:2"), **kw)
 
@@ -364,7 +364,7 @@ def test_the_table_makes_room_with_an_unproven_swarm_first_and_caps_swarms_per_a
 
 def test_publish_from_takes_ips_and_cidrs_and_refuses_other_addresses():
     from p2pweights.errors import UserError
-    from p2pweights.swarm.publishers import Publishers
+    from p2pweights.swarm.tracker.publishers import Publishers
 
     p = Publishers.parse("10.0.0.5, 10.1.0.0/16")
     assert p.allows("10.0.0.5") and p.allows("10.1.2.3") and p.operator("::ffff:10.1.2.3")

@@ -123,9 +123,9 @@ def test_every_address_a_message_carries_is_host_colon_port(kind, addr):
 
 def fuzzed_endpoint():
     from p2pweights.sources.manifest import Manifest
-    from p2pweights.swarm.endpoint import TrackerEndpoint
-    from p2pweights.swarm.topology import make
-    from p2pweights.swarm.tracker import Tracker
+    from p2pweights.swarm.tracker.endpoint import TrackerEndpoint
+    from p2pweights.swarm.tracker.topology import make
+    from p2pweights.swarm.tracker.tracker import Tracker
 
     m = Manifest(total_size=8192, chunk_size=1024, chunks=["0" * 16] * 8)
     clock = lambda: 0.0  # noqa: E731

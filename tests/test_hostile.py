@@ -17,9 +17,9 @@ import pytest
 from hostile import Redirector, Stranger
 from p2pweights.api import join, seed
 from p2pweights.sources.chunker import build
-from p2pweights.swarm.endpoint import TrackerEndpoint
-from p2pweights.swarm.topology import make
-from p2pweights.swarm.tracker import Tracker
+from p2pweights.swarm.tracker.endpoint import TrackerEndpoint
+from p2pweights.swarm.tracker.topology import make
+from p2pweights.swarm.tracker.tracker import Tracker
 from p2pweights.wire import protocol
 from p2pweights.wire.protocol import Msg
 

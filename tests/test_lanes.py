@@ -1,4 +1,4 @@
-"""Lanes (``swarm.lanes``): more connections from one partner, so its chunks ride several libzmq I/O threads.
+"""Lanes (``swarm.node.lanes``): more connections from one partner, so its chunks ride several libzmq I/O threads.
 
 The serving side's rules alone (pure); a real seeder taking, refusing and
 dropping lanes that a ``hostile.Stranger`` opens; joins pulling over lanes as
@@ -18,8 +18,8 @@ from test_cli_input import assert_usage_error, run
 from test_workers import where  # noqa: F401  (the disk and tmpfs fixture)
 
 from p2pweights.api import seed
-from p2pweights.swarm.handlers import Child
-from p2pweights.swarm.lanes import MAX_LANES, Lanes
+from p2pweights.swarm.node.handlers import Child
+from p2pweights.swarm.node.lanes import MAX_LANES, Lanes
 from p2pweights.wire import protocol
 from p2pweights.wire.context import default_lanes
 from p2pweights.wire.protocol import Msg

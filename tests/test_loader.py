@@ -154,7 +154,7 @@ def test_cli_join_device_prints_stage_report(tmp_path, procs):
 
 
 def test_seed_and_relay_modules_do_not_import_torch():
-    code = "import p2pweights.cli, p2pweights.api, p2pweights.swarm.node, p2pweights.sources.pack, sys; " \
+    code = "import p2pweights.cli, p2pweights.api, p2pweights.swarm.node.node, p2pweights.sources.pack, sys; " \
            "assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

@@ -4,10 +4,10 @@ import time
 from types import SimpleNamespace
 
 from p2pweights.wire import protocol
-from p2pweights.swarm.member import Membership
+from p2pweights.swarm.node.member import Membership
 from p2pweights.wire.protocol import Msg
-from p2pweights.swarm.pull import PullScheduler
-from p2pweights.swarm.serve import UploadScheduler
+from p2pweights.swarm.policy.pull import PullScheduler
+from p2pweights.swarm.policy.serve import UploadScheduler
 
 CHUNK = 1 << 20
 
@@ -49,8 +49,8 @@ def test_a_probe_goes_out_as_we_attach_holds_our_uploads_and_reports_its_rate():
     # the probe's bytes go to a real probe sink on loopback, timed off the loop; its result comes
     # back through the inbox and is reported.  Having sent nothing yet, we forward nothing while it
     # runs; a probe beside forwarding (a tracker that restarted mid-transfer) says it was not alone
-    from p2pweights.swarm.tracker import PROBE_BYTES
-    from p2pweights.swarm.uplink import ProbeSink
+    from p2pweights.swarm.tracker.tracker import PROBE_BYTES
+    from p2pweights.swarm.node.uplink import ProbeSink
 
     sink = ProbeSink("127.0.0.1")
     try:
@@ -99,7 +99,7 @@ def test_a_welcome_s_malformed_probe_ask_sends_nothing():
 def test_a_probe_acknowledged_within_its_hold_was_alone_however_late_its_report_came():
     # on a busy machine the loop hears of a probe late, after the hold ran out and we forwarded: what
     # counts is whether its last byte was acknowledged while our uploads were held
-    from p2pweights.swarm.member import PROBE_HOLD, TIMED
+    from p2pweights.swarm.node.member import PROBE_HOLD, TIMED
 
     posted = []
     serve = UploadScheduler(8, holds=lambda i: True, clock=time.monotonic)

@@ -3,7 +3,7 @@ import pytest
 import zmq
 
 from p2pweights.sources.manifest import Manifest
-from p2pweights.swarm.node import IDLE_FORGET, Child, Node, bind_router
+from p2pweights.swarm.node.node import IDLE_FORGET, Child, Node, bind_router
 from p2pweights.wire.protocol import SERVER_TRANSITIONS, Connection
 from p2pweights.storage.store import Store
 
@@ -37,7 +37,7 @@ def test_quiet_strangers_are_forgotten_children_are_not(node):
 
 def test_a_request_on_a_dropped_childs_connection_is_answered_not_counted_as_bad(node):
     from p2pweights.wire import protocol
-    from p2pweights.swarm.handlers import Handlers
+    from p2pweights.swarm.node.handlers import Handlers
     from p2pweights.wire.protocol import Msg
 
     handlers = Handlers(node)
@@ -69,7 +69,7 @@ def test_leave_and_wake_reach_the_loop_through_its_inbox_and_run_its_timers_at_o
     # another thread (Download.close, the disk finisher) never writes the loop's state: it posts a
     # verb, and the loop's handler sets it and has the timers run at the end of that pass (DONE and
     # LEAVE go out then, not at the next poll timeout of an idle loop)
-    from p2pweights.swarm.handlers import Handlers
+    from p2pweights.swarm.node.handlers import Handlers
 
     handlers = Handlers(node)
     for verb, leaving in ((b"wake", False), (b"leave", True)):
@@ -102,7 +102,7 @@ def test_a_post_after_stop_opens_no_socket_so_the_context_can_end():
 
 
 def test_a_child_silent_past_its_timeout_is_dropped_and_frees_its_slot(node):
-    from p2pweights.swarm.admission import CHILD_TIMEOUT
+    from p2pweights.swarm.tracker.admission import CHILD_TIMEOUT
 
     for ident, heard in ((b"idle", 0.0), (b"live", CHILD_TIMEOUT)):
         node.seen[ident] = heard
@@ -115,7 +115,7 @@ def test_a_child_silent_past_its_timeout_is_dropped_and_frees_its_slot(node):
 def test_a_partners_bad_messages_are_dropped_whole_and_the_next_one_is_read_from_its_header(node):
     # the loop reads a partner's message frame by frame (``first.more``): a bad one is dropped with all
     # its frames, so whatever follows is read from its own header, never from a leftover frame
-    from p2pweights.swarm.handlers import Handlers
+    from p2pweights.swarm.node.handlers import Handlers
     from p2pweights.wire import protocol
     from p2pweights.wire.protocol import Msg
 

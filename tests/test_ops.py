@@ -20,8 +20,8 @@ from p2pweights import api
 from p2pweights.swarm import fleet
 
 from p2pweights.wire import keys
-from p2pweights.swarm.topology import make as make_topology
-from p2pweights.swarm.tracker import Tracker
+from p2pweights.swarm.tracker.topology import make as make_topology
+from p2pweights.swarm.tracker.tracker import Tracker
 
 from conftest import free_port, p2pw_argv
 

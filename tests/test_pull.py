@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from p2pweights.swarm.pull import HELP_WINDOW, MAX_WINDOW, MIN_WINDOW, RAREST_AMONG, SHARE_WINDOW, PullScheduler
+from p2pweights.swarm.policy.pull import HELP_WINDOW, MAX_WINDOW, MIN_WINDOW, RAREST_AMONG, SHARE_WINDOW, PullScheduler
 
 CHUNK = 1 << 20
 
@@ -412,7 +412,7 @@ def test_a_stripe_fed_by_a_demoted_host_gets_help_from_every_cheap_partner():
 
 def test_the_command_line_s_first_window_is_the_scheduler_s():
     from p2pweights import cli
-    from p2pweights.swarm.pull import DEFAULT_WINDOW
+    from p2pweights.swarm.policy.pull import DEFAULT_WINDOW
 
     assert cli.FIRST_WINDOW == DEFAULT_WINDOW  # the CLI's --window default
 

@@ -1,5 +1,5 @@
 """The pull policy's rules one at a time: a state built from short strings, each judgement asserted
-(``swarm/help.py``: which chunks, who, how many; ``swarm/pickrules.py``: waiters, the planned share,
+(``swarm/policy/help.py``: which chunks, who, how many; ``swarm/policy/pickrules.py``: waiters, the planned share,
 the endgame).  ``tests/test_pull.py`` asserts what the rules decide together."""
 from test_pull import sched
 

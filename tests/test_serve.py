@@ -3,7 +3,7 @@ who hears of fresh chunks at once, who in batches."""
 import pytest
 
 from p2pweights.wire.protocol import ProtocolError
-from p2pweights.swarm.serve import HAVE_DEFER, PULLING, Announcer, UploadScheduler
+from p2pweights.swarm.policy.serve import HAVE_DEFER, PULLING, Announcer, UploadScheduler
 
 
 def held(text: str):

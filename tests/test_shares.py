@@ -7,11 +7,11 @@ import random
 import pytest
 
 from p2pweights.sources.manifest import Manifest
-from p2pweights.swarm.registry import NO_SWARM, NOT_A_MEMBER, Registry
-from p2pweights.swarm.rootless import RootlessTracker
-from p2pweights.swarm.shares import MAX_SHARE, OriginShares, share_size
-from p2pweights.swarm.topology import make
-from p2pweights.swarm.tracker import ROOT
+from p2pweights.swarm.tracker.registry import NO_SWARM, NOT_A_MEMBER, Registry
+from p2pweights.swarm.tracker.rootless import RootlessTracker
+from p2pweights.swarm.tracker.shares import MAX_SHARE, OriginShares, share_size
+from p2pweights.swarm.tracker.topology import make
+from p2pweights.swarm.tracker.tracker import ROOT
 from p2pweights.wire import protocol
 from p2pweights.wire.protocol import Msg, ProtocolError
 

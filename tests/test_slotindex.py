@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from p2pweights.swarm.slotindex import Ranked
-from p2pweights.swarm.topology import Forest, settled_forest
-from p2pweights.swarm.tracker import MAX_PARTNERS, PARTNERS, Tracker
+from p2pweights.swarm.tracker.slotindex import Ranked
+from p2pweights.swarm.tracker.topology import Forest, settled_forest
+from p2pweights.swarm.tracker.tracker import MAX_PARTNERS, PARTNERS, Tracker
 
 
 def scan_agrees(f: Forest) -> None:

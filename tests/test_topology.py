@@ -223,7 +223,7 @@ def test_striped_adoptions_settle_and_keep_the_rules(k, n):
 
 
 def test_tracker_adoptions_move_early_peers_to_their_round_head():
-    from p2pweights.swarm.tracker import Tracker
+    from p2pweights.swarm.tracker.tracker import Tracker
 
     tr = Tracker(T.Striped(2), "seed:1")
     a = tr.join("a", "a:1")

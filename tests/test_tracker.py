@@ -1,8 +1,8 @@
 """Tracker membership as pure state: placement, leaving, repair after deaths, restarts."""
 import time
 
-from p2pweights.swarm.topology import Binomial, make
-from p2pweights.swarm.tracker import Tracker, quantile
+from p2pweights.swarm.tracker.topology import Binomial, make
+from p2pweights.swarm.tracker.tracker import Tracker, quantile
 
 
 def tracker_with(n, topology="binomial", clock=time.monotonic):
@@ -50,7 +50,7 @@ def test_a_done_peer_waits_to_leave_for_an_unfinished_partner_it_still_hears_fro
 
 
 def test_a_done_peer_waits_for_an_unfinished_partner_a_quarter_of_its_download_s_time_at_most():
-    from p2pweights.swarm.tracker import PARTNER_LINGER
+    from p2pweights.swarm.tracker.tracker import PARTNER_LINGER
 
     clock = [0.0]
     t = tracker_with(8, "forest:2", clock=lambda: clock[0])
@@ -83,7 +83,7 @@ def test_a_done_peer_s_linger_replaces_the_quarter_rule_both_ways():
 
 
 def test_a_late_arrival_to_a_seeded_swarm_partners_with_the_complete_holders_first():
-    from p2pweights.swarm.tracker import PARTNERS, complete_holders
+    from p2pweights.swarm.tracker.tracker import PARTNERS, complete_holders
 
     t = tracker_with(8, "forest:2", clock=lambda: 0.0)
     for r in range(1, 6):
@@ -157,7 +157,7 @@ def test_a_finished_peer_is_lent_to_the_peers_furthest_behind_and_waits_to_leave
     # the last peers to finish took their backlog from the few partners given at their join while
     # finished uplinks idled: a peer that is done becomes a partner of the live peers with the fewest
     # chunks (each told, with REPARENT), and waits to leave for them while they are heard from
-    from p2pweights.swarm.tracker import PARTNERS
+    from p2pweights.swarm.tracker.tracker import PARTNERS
 
     t = forest_tracker(16)
     t.take_moved()
@@ -201,7 +201,7 @@ def test_forest_slow_host_is_demoted_to_a_leaf_from_its_partners_reports():
     t = tracker_with(8, "forest:2", clock=lambda: clock[0])
     f = t.topology
     slow = report_slow_forwarder(t)
-    from p2pweights.swarm.tracker import SLOW_EVIDENCE
+    from p2pweights.swarm.tracker.tracker import SLOW_EVIDENCE
 
     for _ in range(SLOW_EVIDENCE - 1):
         assert t.slow_hosts() == []  # evidence must repeat before anyone is moved
@@ -215,7 +215,7 @@ def test_a_joiner_whose_probe_ran_fast_is_not_demoted_by_its_first_rates():
     # in its first seconds a fast host still starting (nine processes on two cores) delivers as slowly
     # as a slow uplink does; its probe at join tells them apart, so while it is young it clears it
     from p2pweights.wire.protocol import YOUNG
-    from p2pweights.swarm.tracker import SLOW_EVIDENCE
+    from p2pweights.swarm.tracker.tracker import SLOW_EVIDENCE
 
     for probe, demoted_young in ((50e6, False), (12e6, True)):
         clock = [0.0]
@@ -251,7 +251,7 @@ def test_a_slow_forwarder_helping_now_and_then_is_judged_by_what_it_delivers():
                                   lambda p, m, x: 1e6 if p == x else 20e6)
     up = t.uplinks()
     assert up[slow] == 10e6 * sum(slow in m.parents for m in t.members.values())
-    from p2pweights.swarm.tracker import SLOW_EVIDENCE
+    from p2pweights.swarm.tracker.tracker import SLOW_EVIDENCE
 
     for _ in range(SLOW_EVIDENCE):
         demoted = t.slow_hosts()
@@ -292,7 +292,7 @@ def test_forest_partners_are_told_how_many_peers_each_one_feeds_further_down():
 
 
 def test_forest_settled_table_matches_the_incremental_plan_in_shape():
-    from p2pweights.swarm.topology import settled_forest
+    from p2pweights.swarm.tracker.topology import settled_forest
 
     for n in (3, 8, 16, 33):
         table = settled_forest(2, n)
@@ -312,7 +312,7 @@ def test_forest_settled_table_matches_the_incremental_plan_in_shape():
 def test_forest_demotion_lends_a_free_slot_so_every_peer_keeps_a_planned_source():
     # 8 forwarders in groups of 4 and 4; demoting one leaves 4 and 3, and the stripe of 3 has 6 slots
     # for 7 receivers: a forwarder of the other group with a slot free lends it there
-    from p2pweights.swarm.topology import Forest
+    from p2pweights.swarm.tracker.topology import Forest
 
     f = Forest(2)
     for r in range(1, 9):
@@ -333,7 +333,7 @@ def test_forest_demotion_lends_a_free_slot_so_every_peer_keeps_a_planned_source(
 def test_forest_a_demoted_host_serves_one_leaf_where_every_forwarder_slot_is_taken():
     # 8 peers, 2 demoted: 6 forwarders (12 slots) and the seeder's 2 serve 14 of the 16 (peer, stripe)
     # pairs.  Each demoted host's uplink then carries one leaf's stripe (partners help with the rest)
-    from p2pweights.swarm.topology import Forest
+    from p2pweights.swarm.tracker.topology import Forest
 
     for demoted in ((1, 2), (1, 3), (1, 7), (7, 8), (2, 5)):  # (1, 7): both of one group
         f = Forest(2)
@@ -353,7 +353,7 @@ def test_forest_a_demoted_host_serves_one_leaf_where_every_forwarder_slot_is_tak
 def test_forest_keeps_its_invariants_through_random_joins_demotions_and_departures():
     import random
 
-    from p2pweights.swarm.topology import Forest
+    from p2pweights.swarm.tracker.topology import Forest
 
     for trial in range(200):
         rnd = random.Random(trial)
@@ -389,7 +389,7 @@ def test_forest_a_host_whose_probe_runs_far_below_the_others_is_a_leaf_before_it
     # and again until PROBE_QUORUM are in, so it is demoted before a review could have seen a chunk
     # from it; a probe too short to time (on loopback, or at 100 Gbit/s) demotes nobody, and
     # neither does one from a host that already feeds children (it got a share of its uplink)
-    from p2pweights.swarm.tracker import PROBE_QUORUM
+    from p2pweights.swarm.tracker.tracker import PROBE_QUORUM
 
     t = Tracker(make("forest:2"), "")
     f = t.topology
@@ -445,7 +445,7 @@ def test_a_forwarder_s_reference_is_the_median_of_the_others():
     import random
     import statistics
 
-    from p2pweights.swarm.tracker import median_without
+    from p2pweights.swarm.tracker.tracker import median_without
 
     rng = random.Random(0)
     for _ in range(5000):
@@ -460,7 +460,7 @@ def test_a_forwarder_whose_children_are_nearly_done_is_not_judged():
     # near the end few requests are in flight, each served alone on an uplink, so children's rates
     # read high and an honest forwarder falls below a third of the median; a demotion then only
     # moves children that are nearly done. While one of its children misses a quarter, it is judged
-    from p2pweights.swarm.tracker import END_SHARE, SLOW_EVIDENCE
+    from p2pweights.swarm.tracker.tracker import END_SHARE, SLOW_EVIDENCE
 
     n = 512
     t, slow = forest_with_reports(lambda p, m, x: 10e6 if p == x else 40e6, lambda p, m, x: 0.0)

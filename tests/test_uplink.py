@@ -8,7 +8,7 @@ import pytest
 
 from conftest import free_port, same_tree
 
-from p2pweights.swarm.uplink import ProbeSink, UplinkTiming, probe_in_background, split_host_port, time_uplink, timing_from
+from p2pweights.swarm.node.uplink import ProbeSink, UplinkTiming, probe_in_background, split_host_port, time_uplink, timing_from
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,8 +20,8 @@ from p2pweights.storage import store as store_mod
 from p2pweights.storage.cache import memory_backed
 from p2pweights.storage.store import Store
 from p2pweights.storage.workers import ChunkWorkers, Job, default_workers, in_flight_limit
-from p2pweights.swarm.intake import Intake
-from p2pweights.swarm.node import Stats
+from p2pweights.swarm.node.intake import Intake
+from p2pweights.swarm.node.node import Stats
 
 C = 64 << 10
 

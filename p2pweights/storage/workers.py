@@ -18,7 +18,7 @@ credit windows that let them be sent.  With no threads every job is done on
 the loop (``check``), as before the pool.
 
 The workers also read verified chunks back from the files into ring slots
-for the loop to send (``Read``, ``swarm.forward``): a chunk served after its
+for the loop to send (``Read``, ``swarm.node.forward``): a chunk served after its
 slot was reused costs the loop nothing, and libzmq's I/O thread no page
 faults.
 """

@@ -4,7 +4,7 @@ A discrete-event model at chunk granularity of exactly what the nodes do; no
 sockets, no wall clock.  Theory of operation:
 
 * The blob (``size`` bytes) is cut into chunks of ``chunk`` bytes; chunk i goes
-  down stripe tree ``i % stripes`` of the topology (``p2pweights.swarm.topology``).
+  down stripe tree ``i % stripes`` of the topology (``p2pweights.swarm.tracker.topology``).
 * Each peer has one connection per stripe (to its parent in that stripe, as
   the node opens one DEALER per stripe) and keeps at most ``window`` chunk
   requests outstanding on it, asking for the stripe's chunks in index order.  A request reaches the parent ``latency`` seconds later; the parent
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import topology as _topo
-from .endpoint import YOUNG_REVIEW_INTERVAL
-from .tracker import PROBE_BYTES, PROBE_MIN_TIME, PROBE_SLOW, SLOW_EVIDENCE, SLOW_FRACTION, probe_reference
+from .tracker import topology as _topo
+from .tracker.endpoint import YOUNG_REVIEW_INTERVAL
+from .tracker.tracker import PROBE_BYTES, PROBE_MIN_TIME, PROBE_SLOW, SLOW_EVIDENCE, SLOW_FRACTION, probe_reference
 
 DEFAULT_BUDGET = 200_000  # simulated chunk deliveries before coarsening
 

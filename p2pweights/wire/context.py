@@ -37,7 +37,7 @@ def node_context(io_threads: int | None = None) -> zmq.Context:
 
 
 def default_lanes(io_threads: int) -> int:
-    """Connections a peer pulls over from each partner (``swarm.lanes``): ``P2PW_LANES`` if set (at least 1), else
+    """Connections a peer pulls over from each partner (``swarm.node.lanes``): ``P2PW_LANES`` if set (at least 1), else
     one per I/O thread (``io_threads``), so one partner's bytes can ride each of them."""
     env = _env_count("P2PW_LANES")
     return env if env is not None else max(1, io_threads)

@@ -21,7 +21,7 @@ them with REQUESTs, never more than that link's credit window outstanding: a
 partner sends only what was asked for, so a slow link slows nobody else.  A
 peer may open more connections to a partner that ATTACHED says takes them:
 each says LANE with the same ticket, and the partner spreads the chunks it
-sends that peer over them (``swarm.lanes``).  An endgame duplicate that
+sends that peer over them (``swarm.node.lanes``).  An endgame duplicate that
 lost the race is withdrawn with CANCEL.  Peers report DONE to the tracker
 and ask to LEAVE; the tracker lets a peer go once the peers that depend on
 it are done.  Anyone may ask the tracker for the fleet with STATUS on a
@@ -44,7 +44,7 @@ another connect to a malformed or non-TCP endpoint.  WELCOME hands the joiner a
 ``secret``; a re-introduction to the same tracker proves itself with it (a peer
 id proves nothing), and it keys the ``ticket`` in each plan entry, which the
 joiner shows in ATTACH: a node serves only peers the tracker placed with it
-(``swarm.membership``).
+(``swarm.tracker.membership``).
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ class Msg(IntEnum):
     LOOKUP = 26     # anyone -> standalone tracker, on a fresh connection: {url, model_id?, index?}
     MANIFEST = 27   # tracker -> asker: {url, model_id, index?, count?, confirmed?} + manifest frame (canonical bytes)
     LANE = 28       # peer -> partner, on another connection once ATTACHED: {peer_id, rank, model_id, ticket?, lane}:
-    #                 carry chunks for my link here too (``swarm.lanes``)
+    #                 carry chunks for my link here too (``swarm.node.lanes``)
     LANE_OK = 29    # partner -> peer, on that connection: {lane}
 
 
@@ -239,7 +239,7 @@ def _plan(f: dict) -> None:
                 _names(p, "ticket")
 
 
-MAX_LANE = 255  # the largest lane number or count a message may carry (a node takes far fewer: ``swarm.lanes``)
+MAX_LANE = 255  # the largest lane number or count a message may carry (a node takes far fewer: ``swarm.node.lanes``)
 
 
 def _lanes(f: dict, key: str) -> None:
@@ -437,7 +437,7 @@ CLIENT_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("attached", Msg.HAVE): "attached",
 }
 
-# What a peer accepts on a lane to a partner (``swarm.lanes``): the partner's LANE_OK, then chunks.
+# What a peer accepts on a lane to a partner (``swarm.node.lanes``): the partner's LANE_OK, then chunks.
 LANE_TRANSITIONS: dict[tuple[str, Msg], str] = {
     ("attaching", Msg.LANE_OK): "open",
     ("attaching", Msg.HEARTBEAT): "attaching",

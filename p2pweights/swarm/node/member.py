@@ -14,9 +14,9 @@ import struct
 
 import zmq
 
-from ..wire import protocol
+from ...wire import protocol
 from .partners import BYE_LINGER_MS, send_nowait
-from ..wire.protocol import CLIENT_TRANSITIONS, Connection, Msg
+from ...wire.protocol import CLIENT_TRANSITIONS, Connection, Msg
 from .uplink import probe_in_background, split_host_port
 
 log = logging.getLogger("p2pw")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import random
 import time
 
-from ..wire.chunkset import bitset, bitset_of, indices_of, lowest_of, stripe_mask
+from ...wire.chunkset import bitset, bitset_of, indices_of, lowest_of, stripe_mask
 from .help import HELP_WINDOW, help_lagging, help_mask
 from .link import DEFAULT_WINDOW, MAX_WINDOW, MIN_WINDOW, SEEDER, STALL_MIN, Link, held_by, typical_rate
 from .pickrules import SHARE_WINDOW, endgame, planned_share, waiters

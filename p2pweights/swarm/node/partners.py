@@ -20,9 +20,9 @@ import logging
 
 import zmq
 
-from ..wire import keys, protocol
-from ..wire.protocol import CLIENT_TRANSITIONS, LANE_TRANSITIONS, Connection, Msg
-from .serve import MAX_PARKED
+from ...wire import keys, protocol
+from ...wire.protocol import CLIENT_TRANSITIONS, LANE_TRANSITIONS, Connection, Msg
+from ..policy.serve import MAX_PARKED
 
 log = logging.getLogger("p2pw")
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from ..sources.source import SourceError
-from ..storage.workers import Read
-from ..wire import protocol
+from ...sources.source import SourceError
+from ...storage.workers import Read
+from ...wire import protocol
 
 log = logging.getLogger("p2pw")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from ..wire.protocol import ProtocolError
+from ...wire.protocol import ProtocolError
 
 MAX_PARKED = 64  # requests one link may have waiting at this node (queued or parked)
 PULLING = 0.5  # seconds since its last request during which a partner counts as pulling from us

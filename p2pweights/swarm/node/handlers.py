@@ -14,9 +14,9 @@ import struct
 
 import zmq
 
-from ..wire import protocol
-from ..wire.protocol import MAX_NAME, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
-from .admission import NOT_PLACED, attach_refusal, placed_refusal
+from ...wire import protocol
+from ...wire.protocol import MAX_NAME, SERVER_TRANSITIONS, Connection, Msg, ProtocolError
+from ..tracker.admission import NOT_PLACED, attach_refusal, placed_refusal
 from .intake import MAX_BAD_FROM_PARENT  # noqa: F401  (part of the node's limits)
 from .originread import landed
 from .pulled import NOBLOCK, PartnerHandlers, rest_of

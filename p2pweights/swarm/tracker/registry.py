@@ -29,9 +29,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ..sources.manifest import Manifest, ManifestError
-from ..wire import protocol
-from ..wire.protocol import MAX_CANDIDATES, Msg, ProtocolError, is_model_id, is_model_id_prefix
+from ...sources.manifest import Manifest, ManifestError
+from ...wire import protocol
+from ...wire.protocol import MAX_CANDIDATES, Msg, ProtocolError, is_model_id, is_model_id_prefix
 from .endpoint import REVIEW_INTERVAL, TrackerEndpoint
 from .rootless import RootlessTracker
 from .shares import OriginShares, Progress

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from ..errors import UserError
+from ...errors import UserError
 
 
 class Publishers:

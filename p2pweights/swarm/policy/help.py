@@ -15,7 +15,7 @@ Three questions, each a rule of its own:
 """
 from __future__ import annotations
 
-from ..wire.chunkset import bitset_of
+from ...wire.chunkset import bitset_of
 from .link import SEEDER, STALL_MIN, Link, held_by, median
 
 LAG_CHUNKS = 8  # a planned source lacking more than this (or 2 windows) of what partners hold is lagging

@@ -12,9 +12,9 @@ import logging
 
 import zmq
 
-from ..wire import protocol
-from ..wire.protocol import Msg, ProtocolError
-from .admission import NOT_PLACED
+from ...wire import protocol
+from ...wire.protocol import Msg, ProtocolError
+from ..tracker.admission import NOT_PLACED
 
 log = logging.getLogger("p2pw")
 

@@ -23,7 +23,7 @@ import threading
 
 import zmq
 
-from ..sources.manifest import chunk_hasher
+from ...sources.manifest import chunk_hasher
 
 log = logging.getLogger("p2pw")
 

@@ -25,21 +25,21 @@ import time
 
 import zmq
 
-from .. import failpoints as faults
-from ..wire import keys, protocol
-from ..errors import P2PError
+from ... import failpoints as faults
+from ...wire import keys, protocol
+from ...errors import P2PError
 from .handlers import MAX_BAD_FROM_PARENT, MAX_BAD_MESSAGES, NOBLOCK, READY, Child, Handlers  # noqa: F401
-from ..sources.manifest import chunk_hasher
-from .admission import CHILD_TIMEOUT, MAX_PER_HOST, Admission
+from ...sources.manifest import chunk_hasher
+from ..tracker.admission import CHILD_TIMEOUT, MAX_PER_HOST, Admission
 from .forward import Forwarding
 from .intake import Intake
 from .lanes import Lanes
 from .member import Membership
 from .partners import Partners, send_nowait, tcp  # noqa: F401  (tcp: part of the node's surface)
-from ..wire.context import default_lanes
-from ..wire.protocol import MAX_LANE, MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: the node's limits)
-from .pull import DEFAULT_WINDOW, PullScheduler
-from .serve import MAX_PARKED, Announcer, UploadScheduler
+from ...wire.context import default_lanes
+from ...wire.protocol import MAX_LANE, MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: the node's limits)
+from ..policy.pull import DEFAULT_WINDOW, PullScheduler
+from ..policy.serve import MAX_PARKED, Announcer, UploadScheduler
 
 log = logging.getLogger("p2pw")
 
@@ -132,7 +132,7 @@ class Node:
         # our secret, from the tracker, checks the tickets of peers attaching (None: admit anyone)
         self.secret, self.admission = None, Admission(max_per_host, child_timeout)
         if tracker is not None:
-            from .endpoint import TrackerEndpoint
+            from ..tracker.endpoint import TrackerEndpoint
 
             self.endpoint = TrackerEndpoint(tracker, manifest, clock)
             self.endpoint.keyed, self.secret = key is not None, tracker.seal.secret(0)
@@ -358,7 +358,7 @@ class Node:
 
     def attach_source(self, source) -> None:
         """Serve chunks not yet held by reading them from ``source`` (a seeder with a known manifest)."""
-        from ..sources.source import ReadAhead
+        from ...sources.source import ReadAhead
 
         tx = self.ctx.socket(zmq.PUSH)  # used (and closed) only by the read-ahead thread from here on
         tx.setsockopt(zmq.LINGER, 0)

@@ -24,8 +24,8 @@ import statistics
 import time
 
 from . import fleet
-from ..wire import protocol
-from ..wire.protocol import MAX_NAME, YOUNG, Msg, ProtocolError
+from ...wire import protocol
+from ...wire.protocol import MAX_NAME, YOUNG, Msg, ProtocolError
 from .admission import MEMBER_TIMEOUT
 from .tracker import PROBE_BYTES, PROBE_MIN_TIME, ROOT, ROOT_LOAN_SHARE, TrackerError, probe_reference
 

@@ -24,8 +24,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from ..errors import UserError
-from ..wire.protocol import YOUNG
+from ...errors import UserError
+from ...wire.protocol import YOUNG
 from .membership import Seal
 from .topology import live_parent
 

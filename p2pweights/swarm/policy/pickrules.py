@@ -2,7 +2,7 @@
 waiters, each link's planned share (with orphaned stripes, and what the seeder serves), the endgame."""
 from __future__ import annotations
 
-from ..wire.chunkset import bitset_of, indices_of
+from ...wire.chunkset import bitset_of, indices_of
 from .help import cheapest, cheapest_first, cost
 from .link import SEEDER, STALL_MIN, Link, held_by
 

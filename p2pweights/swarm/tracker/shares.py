@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from ..wire.chunkset import bitset_of, lowest_of
+from ...wire.chunkset import bitset_of, lowest_of
 
 MAX_SHARE = 64  # chunks one share names at most (256 MiB of 4 MiB chunks)
 SHARES_PER_MODEL = 16  # a model is cut into at least this many shares, so several readers take part

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from ..errors import UserError
+from ...errors import UserError
 from .slotindex import UNPLACED, SlotIndex
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from ..storage.workers import ChunkWorkers, Job, Read
+from ...storage.workers import ChunkWorkers, Job, Read
 
 log = logging.getLogger("p2pw")
 

@@ -17,13 +17,13 @@ import time
 
 import zmq
 
-from ..sources.manifest import MAX_MANIFEST_BYTES
-from ..wire import protocol
-from ..wire.protocol import SERVER_TRANSITIONS, Connection, Msg, ProtocolError
-from .admission import MAX_PER_HOST, Admission
+from ...sources.manifest import MAX_MANIFEST_BYTES
+from ...wire import protocol
+from ...wire.protocol import SERVER_TRANSITIONS, Connection, Msg, ProtocolError
+from ..tracker.admission import MAX_PER_HOST, Admission
 from .handlers import MAX_BAD_MESSAGES, _peer_address
 from .node import HEARTBEAT_INTERVAL, IDLE_FORGET, TIMER_INTERVAL
-from .publishers import Publishers
+from ..tracker.publishers import Publishers
 
 MAX_MESSAGE = MAX_MANIFEST_BYTES + (64 << 10)  # the tracker's ROUTER takes a PUBLISH of the largest manifest
 
