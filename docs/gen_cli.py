@@ -86,7 +86,7 @@ class _Captured(Exception):
         self.parser = parser
 
 
-def _simulate_parser(cli) -> argparse.ArgumentParser | None:
+def _simulate_parser() -> argparse.ArgumentParser | None:
     """``p2pw simulate`` parses its own arguments: catch the parser it builds as it starts parsing."""
     def capture(self, *args, **kw):
         raise _Captured(self)
@@ -94,7 +94,9 @@ def _simulate_parser(cli) -> argparse.ArgumentParser | None:
     saved = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
     argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = capture
     try:
-        cli.cmd_simulate(argparse.Namespace(), ["--help"])
+        from p2pweights.cli.demo import cmd_simulate
+
+        cmd_simulate(argparse.Namespace(), ["--help"])
     except _Captured as c:
         return c.parser
     finally:
@@ -115,7 +117,7 @@ def render() -> str:
         h = _cell(h)
         lines += ["", f"## p2pw {name}", "", h[:1].upper() + h[1:] + ".", ""]
         if name == "simulate":
-            sim = _simulate_parser(cli)
+            sim = _simulate_parser()
             if sim is not None:
                 if sim.description:
                     lines += [_cell(sim.description), ""]

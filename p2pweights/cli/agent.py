@@ -1,75 +1,20 @@
 """``p2pw agent`` (the process) and ``p2pw get URL|MODEL_ID --agent DIR`` (a client of it)."""
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
 
+from ..agent.service import Agent
 from ..errors import UserError
-
-log = logging.getLogger("p2pw")
-
-TICK = 0.5  # seconds between looks at the pre-warm file and the models' nodes
-
-
-class Agent:
-    """A running agent: its ``keeper`` (models), its socket ``server``, its ``prewarm`` list (or None)."""
-
-    def __init__(self, tracker: str, cache_dir: str, *, key=None, prewarm: str | None = None,
-                 cache_size: int | None = None, socket_group: str | None = None, host: str = "0.0.0.0",
-                 advertise: str | None = None, no_origin: bool = False, connect_timeout: float = 30.0,
-                 local_roots=()):
-        from ..storage.modelcache import ModelCache
-        from .keeper import Keeper
-        from .prewarm import Prewarm
-        from .server import LocalServer
-
-        root = os.path.abspath(cache_dir)
-        os.makedirs(root, exist_ok=True)
-        cache = ModelCache(root=root, size=cache_size)
-        self.keeper = Keeper(tracker, cache, key=key, host=host, advertise=advertise, no_origin=no_origin,
-                             connect_timeout=connect_timeout, local_roots=local_roots)
-        self.prewarm = Prewarm(prewarm, self.keeper) if prewarm else None
-        self.server = LocalServer(root, self.keeper, socket_group, status=self.status)
-        self.stopped = threading.Event()
-        self.resumed = self.keeper.resume()
-        self.thread = threading.Thread(target=self._run, name="p2pw-agent", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stopped.wait(TICK):
-            try:
-                self.keeper.check()
-                if self.prewarm is not None:
-                    self.prewarm.tick()
-            except Exception:  # noqa: BLE001 (a bad tick is logged; the agent goes on)
-                log.exception("agent: tick failed")
-
-    def alive(self) -> bool:
-        return self.thread.is_alive() and self.server.thread.is_alive()
-
-    def ready(self) -> tuple[bool, dict]:
-        return self.prewarm.ready() if self.prewarm is not None else (True, {})
-
-    def status(self) -> dict:
-        ready, waiting = self.ready()
-        return {"ready": ready, "waiting": waiting, "prewarm": self.prewarm.lines if self.prewarm else [],
-                "refused": self.server.refused}
-
-    def close(self) -> None:
-        self.stopped.set()
-        self.thread.join(5)
-        self.server.close()
-        self.keeper.close()
+from .console import error, load_key, say, serve_until_signalled, tell_path, write_json
+from .flags import ops_flags, output_path, seconds, size
 
 
 def cmd_agent(args) -> int:
-    from ..cli import error, load_key, say, serve_until_signalled, write_json
-
     http = None
     if args.http:
         from ..ops import parse_http_addr
+
         parse_http_addr(args.http)  # a bad address fails before anything starts
     key = load_key(args.key)
     agent = Agent(args.tracker, args.cache, key=key, prewarm=args.prewarm, cache_size=args.cache_size,
@@ -77,7 +22,7 @@ def cmd_agent(args) -> int:
                   no_origin=args.no_origin, connect_timeout=args.connect_timeout, local_roots=args.local_root)
     try:
         if args.http:
-            from .httpops import AgentOps
+            from ..agent.httpops import AgentOps
 
             http = AgentOps(args.http, agent)
         say("serving", f"p2pw: agent for {agent.keeper.cache.root} (socket {agent.server.path}), swarms at "
@@ -99,7 +44,6 @@ def cmd_agent(args) -> int:
 def cmd_get_via_agent(args, agent: str) -> int:
     """``p2pw get URL|MODEL_ID --agent DIR``: the agent fetches it once for the host; wait for its verified copy,
     link it into --out if given, print where it is."""
-    from ..cli import say, tell_path, write_json
     from ..storage.agentcopy import link_tree, wait_through_agent
 
     t0 = time.monotonic()
@@ -124,9 +68,7 @@ def cmd_get_via_agent(args, agent: str) -> int:
     return 0
 
 
-def add_parser(sub) -> None:
-    from ..cli import _ops_flags as ops_flags, output_path, seconds, size
-
+def agent_parser(sub) -> None:
     a = sub.add_parser("agent", help="run the node agent: keep this node's models, serve them to the swarm, fetch "
                                      "what local processes ask for once (p2pw get --agent DIR)")
     a.add_argument("--tracker", required=True, metavar="HOST[:PORT]", help="the standalone tracker (p2pw tracker)")
