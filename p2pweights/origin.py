@@ -62,7 +62,7 @@ class Origin:
 
 def _ask(tracker: str, frames: list, key, timeout: float, ctx=None):
     """Send ``frames`` to the tracker on a fresh connection; its answer (an Event)."""
-    from .api import _no_answer, parse_addr
+    from .library.handshake import no_answer, parse_addr
 
     host, port = parse_addr(tracker)
     addr = f"{host}:{port}"
@@ -74,7 +74,7 @@ def _ask(tracker: str, frames: list, key, timeout: float, ctx=None):
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MANIFEST_BYTES + (64 << 10))
         keys.secure_client(sock, key)
         if not _send_frames(sock, addr, frames, timeout, key):
-            raise P2PError(_no_answer(addr, timeout, " (a p2pw tracker, with --key if the fleet is keyed)"))
+            raise P2PError(no_answer(addr, timeout, " (a p2pw tracker, with --key if the fleet is keyed)"))
         try:
             return protocol.decode(sock.recv_multipart())
         except ProtocolError as e:
@@ -149,10 +149,10 @@ def find(tracker: str, url: str, key=None, wait: float = 30.0, published: str | 
 
 
 def _found(tracker, url, key, wait, published, model_id) -> tuple[Manifest, dict]:
-    from .api import _read_manifest
+    from .sources.manifest import read_manifest
 
     if published is not None:
-        m = _read_manifest(published)
+        m = read_manifest(published)
         if protocol.is_model_id(url):
             raise P2PError(f"--manifest is published under the origin's URL, not a model id ({url[:16]}...): give "
                            "the URL")
@@ -304,7 +304,7 @@ def member_of(s, tracker: str, *, host: str, port: int, advertise: str | None, w
               connect_timeout: float = 30.0, io_threads: int | None = None, **limits) -> None:
     """Make seeder ``s`` (its manifest and store open) an origin reader of the standalone tracker's swarm: it
     publishes its manifest, joins, serves what it reads of the shares it is handed, and pulls nothing."""
-    from .api import _handshake, local_ip_towards, parse_addr
+    from .library.handshake import handshake, local_ip_towards, parse_addr
     from .sources.source import sending_read_bytes
     from .swarm.node.node import Node, bind_router
 
@@ -318,7 +318,7 @@ def member_of(s, tracker: str, *, host: str, port: int, advertise: str | None, w
         publish(tracker, s.url, s.manifest, key, connect_timeout, s.ctx)
         hello = {"peer_id": f"seeder-{os.uname().nodename}-{os.urandom(4).hex()}", "listen": f"{me}:{s.port}",
                  "model_id": s.model_id, "origin": True, "pulls": False}
-        link, tracker_addr, welcome, _ = _handshake(s.ctx, tracker, hello, s.model_id, connect_timeout, key)
+        link, tracker_addr, welcome, _ = handshake(s.ctx, tracker, hello, s.model_id, connect_timeout, key)
     except BaseException:
         s.gate and s.gate.stop()
         s.ctx.destroy(0)
@@ -344,7 +344,8 @@ class Tracking:
     def __init__(self, *, port: int = 7420, host: str = "0.0.0.0", key=None, topology: str = "forest:2",
                  advertise: str | None = None, max_peers: int = 10_000, member_timeout: float | None = None,
                  probe_port: int = 0, max_per_host: int | None = None, publish_from: str | None = None):
-        from .api import _probe_sink, parse_addr
+        from .library.handshake import parse_addr
+        from .swarm.node.uplink import probe_sink
         from .swarm.node.node import bind_router
         from .swarm.tracker.registry import Registry
         from .swarm.tracker.topology import make
@@ -363,7 +364,7 @@ class Tracking:
             self.gate and self.gate.stop()
             self.ctx.term()
             raise
-        self.probe_sink = _probe_sink(host, probe_port)
+        self.probe_sink = probe_sink(host, probe_port)
         root = "%s:%d" % parse_addr(advertise, self.port) if advertise else ""
         self.registry = Registry(lambda n: make(topology), root_listen=root, keyed=key is not None,
                                  member_timeout=member_timeout, max_peers=max_peers)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import zmq
 
-from p2pweights.swarm import node
+from p2pweights.swarm.node import node
 
 from p2pweights.wire import protocol
 from p2pweights.api import P2PError, join, seed

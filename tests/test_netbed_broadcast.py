@@ -39,7 +39,7 @@ def model(tmp_path_factory):
 @pytest.mark.parametrize("topo", ["star", "binomial", "chain", "kary:2", "striped:2"])
 def test_broadcast_to_three_hosts(topo, model, tmp_path):
     import fleet
-    from p2pweights.swarm import topology
+    from p2pweights.swarm.tracker import topology
 
     with Testbed(N + 1, rate_mbit=100) as tb:
         run_id = tb.run_id

@@ -17,7 +17,7 @@ import pytest
 
 from p2pweights import api
 
-from p2pweights.swarm import fleet
+from p2pweights.swarm.tracker import fleet
 
 from p2pweights.wire import keys
 from p2pweights.swarm.tracker.topology import make as make_topology

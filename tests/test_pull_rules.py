@@ -3,8 +3,8 @@
 the endgame).  ``tests/test_pull.py`` asserts what the rules decide together."""
 from test_pull import sched
 
-from p2pweights.swarm import help as h
-from p2pweights.swarm import pickrules as p
+from p2pweights.swarm.policy import help as h
+from p2pweights.swarm.policy import pickrules as p
 
 
 def state(**kw):

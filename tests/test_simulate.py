@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from p2pweights.swarm import simulate as sim
-from p2pweights.swarm import topology as T
+from p2pweights.swarm.tracker import topology as T
 
 MiB = 2 ** 20
 S, C, B = 256 * MiB, 4 * MiB, 400e6 / 8   # 256 MiB, 4 MiB chunks, 400 Mbit/s

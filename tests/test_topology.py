@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from p2pweights.swarm import topology as T
+from p2pweights.swarm.tracker import topology as T
 
 NAMES = ["binomial", "chain", "star", "kary:2", "kary:3", "kary:4",
          "striped:1", "striped:2", "striped:3", "striped:4", "striped:5"]

@@ -111,7 +111,7 @@ def cmd_get(args) -> int:
 
     agent = agent_dir(args.agent)
     if agent is not None and not args.tracker:  # the node's agent fetches it, once for every local process
-        from ..agent.command import cmd_get_via_agent
+        from .agent import cmd_get_via_agent
 
         return cmd_get_via_agent(args, agent)
     if not args.tracker:

@@ -17,6 +17,7 @@ import json
 
 import xxhash
 
+from ..errors import P2PError
 from . import validate
 from .formats import ALIGN
 from .validate import ManifestError
@@ -218,3 +219,13 @@ def file_segments(files: list[dict], lo: int, hi: int):
         a, b = max(lo, f["offset"]), min(hi, f["offset"] + f["size"])
         if a < b:
             yield f, a - f["offset"], a, b
+
+
+def read_manifest(path: str) -> Manifest:
+    """The manifest in the file at ``path`` (``p2pw manifest -o``, ``--manifest``), checked by the strict
+    validator; P2PError if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return Manifest.from_json(f.read())
+    except OSError as e:
+        raise P2PError(f"cannot read manifest {path}: {e.strerror}") from None

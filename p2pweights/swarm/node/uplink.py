@@ -22,6 +22,8 @@ import threading
 import time
 from collections import namedtuple
 
+from ...errors import P2PError
+
 log = logging.getLogger("p2pw")
 
 PROBE_CONNECTIONS = 64  # probes the sink drains at once; more are closed unread (their joiners time nothing)
@@ -201,3 +203,15 @@ class ProbeSink:
         self._selector.unregister(sock)
         del self._open[sock]
         sock.close()
+
+
+def probe_sink(host: str, port: int) -> ProbeSink | None:
+    """The seeder's (or a standalone tracker's) ``ProbeSink`` on host:port; with port 0 any free one, or None
+    where none can listen (joiners then go unprobed, and the rate reviews find slow hosts)."""
+    try:
+        return ProbeSink(host, port)
+    except OSError as e:
+        if port:
+            raise P2PError(f"cannot listen on {host}:{port} for uplink probes (--probe-port): {e}") from None
+        log.warning("no uplink probe sink on %s (%s): slow hosts are found by their rates alone", host, e)
+        return None
