@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 
-from ..ops import OpsServer, _version
+from ..ops.http import OpsServer
+from ..ops.metrics import _version
 
 
 class AgentReadiness:

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.command != "simulate" and rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    from ..ops import LogContext, configure_logging
+    from ..ops.logs import LogContext, configure_logging
 
     context = console.context = LogContext()
     console.LOG["format"] = args.log_format

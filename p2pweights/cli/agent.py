@@ -13,7 +13,7 @@ from .flags import ops_flags, output_path, seconds, size
 def cmd_agent(args) -> int:
     http = None
     if args.http:
-        from ..ops import parse_http_addr
+        from ..ops.http import parse_http_addr
 
         parse_http_addr(args.http)  # a bad address fails before anything starts
     key = load_key(args.key)

@@ -16,7 +16,7 @@ events = logging.getLogger("p2pw.events")  # what the CLI tells its user: stdout
 
 
 def human(n: float) -> str:
-    from ..ops import human as _human
+    from ..ops.progress import human as _human
 
     return _human(n)
 
@@ -39,7 +39,7 @@ def start_ops(args, starting: str):
     """The --http server, listening before anything else happens (None without --http)."""
     if not getattr(args, "http", None):
         return None
-    from ..ops import OpsServer
+    from ..ops.http import OpsServer
 
     server = OpsServer(args.http)
     server.readiness.starting = starting

@@ -11,7 +11,7 @@ from .flags import join_flags, limits, s3_flags
 def cmd_join(args) -> int:
     from ..api import join, local_copy
     from ..storage.hfcache import hub_dir
-    from ..ops import Progress
+    from ..ops.progress import Progress
 
     if args.out and args.hf_cache is not None:
         raise UserError("give --out DIR or --hf-cache [DIR], not both")

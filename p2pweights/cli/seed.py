@@ -48,7 +48,7 @@ def cmd_seed(args) -> int:
     command = join_command(args, s.port, s.model_id, key)
     say("join_command", f"p2pw: join with: {command}", command=command)
     write_json(args.ready, {"port": s.port, "model_id": s.model_id, "total_size": m.total_size})
-    from ..ops import FleetProgress
+    from ..ops.progress import FleetProgress
 
     lines = FleetProgress(s, every=args.progress_every)
     try:  # the fleet snapshot the loop publishes: never the tracker's live member table from this thread
