@@ -15,7 +15,6 @@ No huggingface_hub import: the layout is plain files.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 
@@ -145,6 +144,8 @@ def blob_names(manifest) -> list[str]:
 def hub_name(etag: str, data_size: int, read) -> str:
     """The hub's name for a file's bytes (``read(buf)`` fills ``buf`` until 0): the sha256 of an LFS file (an etag
     of 64 hex digits says it is one), else the git blob sha1, ``sha1(b"blob SIZE\\0" + data)``."""
+    import hashlib  # OpenSSL: only once a copy in the hub cache layout is complete, never in a join's start-up
+
     if LFS_ETAG.fullmatch(etag):
         h = hashlib.sha256()
     else:
