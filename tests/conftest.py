@@ -188,3 +188,13 @@ def forwarding_joins(procs, tmp_path, where, *join_args) -> tuple[object, list[d
     for k in range(2):
         assert same_tree(src, where / f"copy{k}") == []
     return src, reports
+
+
+def left_everywhere(port, timeout=60):
+    """Wait until the seeder at ``port`` lists no member that has not left."""
+    from p2pweights.api import status
+
+    deadline = time.monotonic() + timeout
+    while any(p.get("state") != "left" for p in status(f"127.0.0.1:{port}")["peers"]):
+        assert time.monotonic() < deadline, status(f"127.0.0.1:{port}")
+        time.sleep(0.1)

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, p2pw_argv, same_tree
+from conftest import ROOT, left_everywhere, p2pw_argv, same_tree
 from p2pweights.sources.synth import write_synthetic_model
 from p2pweights.storage.modelcache import FailureMemory, FailurePolicy
 
@@ -74,18 +74,6 @@ def test_a_keyed_fleets_refusal_blocks_every_join_of_the_model(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def left_everywhere(port, timeout=60):
-    """Wait until the seeder at ``port`` lists no member that has not left."""
-    import time
-
-    from p2pweights.api import status
-
-    deadline = time.monotonic() + timeout
-    while any(p.get("state") != "left" for p in status(f"127.0.0.1:{port}")["peers"]):
-        assert time.monotonic() < deadline, status(f"127.0.0.1:{port}")
-        time.sleep(0.1)
-
-
 def test_a_source_serving_garbage_does_not_block_an_honest_one(procs, tmp_path):
     """Every chunk from one seeder fails its checksums: the failure is remembered for that seeder (joins through
     it are refused from memory, ``cache ls`` shows it), and an honest seeder of the same model is joined at once."""

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, p2pw_argv, same_tree
+from conftest import ROOT, left_everywhere, p2pw_argv, same_tree
 from p2pweights.storage.modelcache import Entry, EvictionPolicy, FailurePolicy, ModelCache
 from p2pweights.sources.synth import write_synthetic_model
 
@@ -296,6 +296,7 @@ def test_every_source_failing_checksums_is_remembered(procs, tmp_path, cache_env
     seeder, info = procs.seeder(model, "--chunk-size", "64KiB", env=bad_env)
     r = join(info["port"], "--model-id", info["model_id"], env=env, timeout=120)
     assert r.returncode == 1 and "checksums" in r.stderr and r.stderr.count("p2pw: error:") == 1, r.stderr
+    left_everywhere(info["port"])  # the next join's plan names the bad seeder alone, not the join that ended
     r = join(info["port"], "--model-id", info["model_id"], "--report", tmp_path / "r.json", env=env)
     assert r.returncode == 1 and "remembered" in r.stderr and "checksums" in r.stderr, r.stderr
     assert not (tmp_path / "r.json").exists()

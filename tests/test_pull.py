@@ -411,10 +411,10 @@ def test_a_stripe_fed_by_a_demoted_host_gets_help_from_every_cheap_partner():
 
 
 def test_the_command_line_s_first_window_is_the_scheduler_s():
-    from p2pweights import cli
+    from p2pweights.cli import flags
     from p2pweights.swarm.policy.pull import DEFAULT_WINDOW
 
-    assert cli.FIRST_WINDOW == DEFAULT_WINDOW  # the CLI's --window default
+    assert flags.FIRST_WINDOW == DEFAULT_WINDOW  # the CLI's --window default
 
 
 def test_a_have_of_chunks_held_or_asked_already_decides_nothing_again_one_offering_more_does():
