@@ -60,6 +60,10 @@ class Origin:
         return {"origin": True} if self.source is not None else {}
 
 
+class NoAnswer(P2PError):
+    """The tracker said nothing in time (down, restarting, or not there)."""
+
+
 def _ask(tracker: str, frames: list, key, timeout: float, ctx=None):
     """Send ``frames`` to the tracker on a fresh connection; its answer (an Event)."""
     from .library.handshake import no_answer, parse_addr
@@ -74,7 +78,7 @@ def _ask(tracker: str, frames: list, key, timeout: float, ctx=None):
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MANIFEST_BYTES + (64 << 10))
         keys.secure_client(sock, key)
         if not _send_frames(sock, addr, frames, timeout, key):
-            raise P2PError(no_answer(addr, timeout, " (a p2pw tracker, with --key if the fleet is keyed)"))
+            raise NoAnswer(no_answer(addr, timeout, " (a p2pw tracker, with --key if the fleet is keyed)"))
         try:
             return protocol.decode(sock.recv_multipart())
         except ProtocolError as e:
@@ -156,12 +160,13 @@ def _found(tracker, url, key, wait, published, model_id) -> tuple[Manifest, dict
         if protocol.is_model_id(url):
             raise P2PError(f"--manifest is published under the origin's URL, not a model id ({url[:16]}...): give "
                            "the URL")
-        if lookup(tracker, url, key, model_id=m.model_id) is None:
-            publish(tracker, url, m, key)
+        deadline = time.monotonic() + wait
+        if _answered(deadline, lambda: lookup(tracker, url, key, model_id=m.model_id)) is None:
+            _answered(deadline, lambda: publish(tracker, url, m, key))
         return m, {"count": 1}
     deadline, said = time.monotonic() + wait, time.monotonic()
     while True:
-        found = candidate(tracker, url, key, model_id=model_id)
+        found = _answered(deadline, lambda: candidate(tracker, url, key, model_id=model_id))
         if found is not None:
             return found
         if time.monotonic() > deadline:
@@ -173,6 +178,21 @@ def _found(tracker, url, key, wait, published, model_id) -> tuple[Manifest, dict
             log.warning("no manifest published for %s at %s yet: asking again for %.0f s more", url, tracker,
                         deadline - said)
         time.sleep(LOOKUP_EVERY)
+
+
+def _answered(deadline: float, ask):
+    """``ask()``, asked again while the tracker does not answer, until ``deadline`` (then its NoAnswer)."""
+    said = False
+    while True:
+        try:
+            return ask()
+        except NoAnswer as e:
+            if time.monotonic() + LOOKUP_EVERY > deadline:
+                raise
+            if not said:
+                log.warning("%s: asking again for %.0f s more", e, deadline - time.monotonic())
+                said = True
+            time.sleep(LOOKUP_EVERY)
 
 
 def trusted(tracker: str, url: str, key=None, *, wait: float = 30.0, published: str | None = None,
