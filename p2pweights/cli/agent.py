@@ -47,7 +47,8 @@ def cmd_get_via_agent(args, agent: str) -> int:
     from ..storage.agentcopy import link_tree, wait_through_agent
 
     t0 = time.monotonic()
-    dl = wait_through_agent(agent, args.url, args.model_id, timeout=args.connect_timeout + 600)
+    dl = wait_through_agent(agent, args.url, args.model_id, timeout=args.connect_timeout + 600,
+                            wait=args.connect_timeout, stall=args.give_up_after)
     try:
         manifest, path = dl.manifest, dl.path
     finally:

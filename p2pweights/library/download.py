@@ -324,7 +324,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     if agent is not None:
         from ..storage.agentcopy import through_agent
 
-        return through_agent(agent, model_id or parent, model_id, device)
+        return through_agent(agent, model_id or parent, model_id, device, wait=connect_timeout)
     started, workers = time.monotonic(), default_workers() if workers is None else workers
     where = _destination(out, cache, hf_cache)
     if model_id is not None and cache is not None and not retry_now:

@@ -22,14 +22,19 @@ from .localcopy import Attached, WriterGone, attach, complete_copy, writer_activ
 
 log = logging.getLogger("p2pw")
 
-RETRIES = 3  # times a client asks again when the agent's writer stopped short (the agent resumes the copy)
+AGENT_WAIT = 30.0  # seconds a client waits, by default, for an agent that is away (restarting) to come back
+STALL = 300.0  # seconds a client waits on the agent's copy, by default, with no chunk verified, before giving up
 
 
 def through_agent(agent: str, model: str, model_id: str | None = None, device: str | None = None,
-                  timeout: float | None = None) -> Attached:
-    """Ask the agent at ``agent`` for ``model`` (a URL or a model id) and attach to its copy."""
-    for tries_left in reversed(range(RETRIES)):
-        answer = local.ask(agent, {"op": "get", "model": model}, timeout)
+                  timeout: float | None = None, wait: float = AGENT_WAIT) -> Attached:
+    """Ask the agent at ``agent`` for ``model`` (a URL or a model id) and attach to its copy.  While the agent is
+    away, or its copy's writer stopped short (an agent restarting resumes it), asked again with backoff for up to
+    ``wait`` seconds; ``timeout``: seconds for each answer (``local.ask``)."""
+    deadline, tries = time.monotonic() + wait, 0
+    while True:
+        answer = local.ask_until(agent, {"op": "get", "model": model}, max(deadline - time.monotonic(), 0.0),
+                                 timeout)
         if not isinstance(answer.get("path"), str) or not isinstance(answer.get("model_id"), str):
             raise local.AgentError(f"the p2pw agent at {agent} answered without a path and a model id")
         if model_id is not None and not answer["model_id"].startswith(model_id.lower()):
@@ -37,30 +42,48 @@ def through_agent(agent: str, model: str, model_id: str | None = None, device: s
                            f"not {model_id[:16]}")
         try:
             return attach(answer["path"], answer["model_id"], device)
-        except (WriterGone, P2PError):
-            if not tries_left:
+        except (WriterGone, P2PError) as e:
+            pause = local.backoff(tries)
+            if time.monotonic() + pause > deadline:
                 raise
-            log.warning("the agent's copy of %s in %s is not there yet: asking again", model, answer["path"])
-    raise AssertionError("unreachable")
+            if not tries:
+                log.warning("the agent's copy of %s in %s is not there yet (%s): asking again for up to %.0f s",
+                            model, answer["path"], e, wait)
+            tries += 1
+            time.sleep(pause)
 
 
-def wait_through_agent(agent: str, model: str, model_id: str | None = None, timeout: float | None = None) -> Attached:
-    """``through_agent``, then wait for every chunk; asked again if the agent's writer stopped short."""
-    for tries_left in reversed(range(RETRIES)):
-        dl = through_agent(agent, model, model_id, timeout=timeout)
+def wait_through_agent(agent: str, model: str, model_id: str | None = None, timeout: float | None = None,
+                       wait: float = AGENT_WAIT, stall: float = STALL) -> Attached:
+    """``through_agent``, then wait for every chunk: asked again (``wait`` seconds for the agent to come back)
+    each time the agent's writer stops short; P2PError once ``stall`` seconds pass with no chunk verified."""
+    while True:
+        dl = through_agent(agent, model, model_id, timeout=timeout, wait=wait)
         try:
-            dl.wait()
+            _verified(dl, stall)
             _final(dl)
             return dl
         except WriterGone:
             dl.close()
-            if not tries_left:
-                raise
             log.warning("the agent stopped writing %s: asking again", model)
         except BaseException:
             dl.close()
             raise
-    raise AssertionError("unreachable")
+
+
+def _verified(dl: Attached, stall: float, every: float = 1.0) -> None:
+    """``dl.wait()``, given up (one line) once ``stall`` seconds pass with no chunk verified."""
+    seen, since = -1, time.monotonic()
+    while True:
+        try:
+            dl.wait(every)
+            return
+        except TimeoutError:
+            if dl.store.count != seen:
+                seen, since = dl.store.count, time.monotonic()
+            elif time.monotonic() - since > stall:
+                raise P2PError(f"no chunk of {dl.path} verified in {stall:g} s ({seen} of "
+                               f"{dl.manifest.n_chunks}): the agent writing it is stuck") from None
 
 
 def _final(dl: Attached, every: float = 0.02) -> None:

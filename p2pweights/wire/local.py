@@ -14,7 +14,9 @@ The decisions are pure and tested alone: ``admit`` (who may speak: the agent's o
 user, root, and members of the group the operator named), ``refusal`` (a request
 the agent will not carry out: a model named by a local path outside its cache,
 which the agent, often root, would otherwise read for any local user) and
-``parse`` (a well-formed request).  ``ask`` is the client.
+``parse`` (a well-formed request).  ``ask`` is the client; ``ask_until`` asks again, with
+``backoff``, while the agent is away (no socket, nothing accepting, the connection closed
+before an answer: an agent restarting), for as long as the client's own wait.
 """
 from __future__ import annotations
 
@@ -22,9 +24,13 @@ import errno
 import json
 import os
 import re
+import logging
 import socket
+import time
 
 from ..errors import UserError
+
+log = logging.getLogger("p2pw")
 
 SOCKET = "agent.sock"
 MAX_LINE = 4096  # bytes of one request or answer line, the newline included (a status answer may be longer)
@@ -32,10 +38,22 @@ MAX_ANSWER = 1 << 20
 OPS = ("get", "status")
 ENV = "P2PW_AGENT"
 MODEL_ID = re.compile(r"[0-9a-f]{16,64}")
+ANSWER_WAIT = 660.0  # seconds a request waits for its answer by default (the agent's own start wait, and some)
+BACKOFF = 0.2  # seconds before asking an agent that is away again, doubling up to BACKOFF_MAX
+BACKOFF_MAX = 5.0
 
 
 class AgentError(UserError):
     """The agent cannot be reached, refused the request, or answered something this client cannot read."""
+
+
+class AgentAway(AgentError):
+    """Nobody answers on the agent's socket now (not started, stopped, restarting): worth asking again."""
+
+
+def backoff(tries: int) -> float:
+    """Seconds to wait before try ``tries + 1`` of an agent that is away: BACKOFF doubling up to BACKOFF_MAX."""
+    return min(BACKOFF * 2 ** max(tries, 0), BACKOFF_MAX)
 
 
 def encode(doc: dict) -> bytes:
@@ -110,7 +128,7 @@ def read_line(sock: socket.socket, limit: int) -> bytes:
     while b"\n" not in buf:
         part = sock.recv(65536)
         if not part:
-            raise AgentError("the connection closed before a whole line")
+            raise AgentAway("the connection closed before a whole line")
         buf += part
         if len(buf) > limit:
             raise AgentError(f"a line longer than {limit} bytes")
@@ -118,7 +136,9 @@ def read_line(sock: socket.socket, limit: int) -> bytes:
 
 
 def ask(agent: str, request: dict, timeout: float | None = None) -> dict:
-    """Send ``request`` to the agent whose directory is ``agent``; its answer (AgentError if it refused)."""
+    """Send ``request`` to the agent whose directory is ``agent``; its answer (AgentError if it refused,
+    AgentAway if nobody answers there now).  ``timeout``: seconds for the answer (default ANSWER_WAIT)."""
+    timeout = ANSWER_WAIT if timeout is None else timeout
     path = socket_path(agent)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -126,9 +146,9 @@ def ask(agent: str, request: dict, timeout: float | None = None) -> dict:
         try:
             sock.connect(path)
         except FileNotFoundError:
-            raise AgentError(f"no p2pw agent at {agent} (no {path}): start p2pw agent --cache {agent}") from None
+            raise AgentAway(f"no p2pw agent at {agent} (no {path}): start p2pw agent --cache {agent}") from None
         except ConnectionRefusedError:
-            raise AgentError(f"the p2pw agent at {agent} is not running ({path} accepts nothing)") from None
+            raise AgentAway(f"the p2pw agent at {agent} is not running ({path} accepts nothing)") from None
         except PermissionError:
             raise AgentError(f"not allowed to use the p2pw agent's socket {path} (it admits its own user, root, "
                              "and the group given with --socket-group)") from None
@@ -138,15 +158,36 @@ def ask(agent: str, request: dict, timeout: float | None = None) -> dict:
             if e.errno not in (errno.ECONNRESET, errno.EPIPE):  # the answer waits in our receive buffer
                 raise
         try:
-            answer = decode(read_line(sock, MAX_ANSWER))
+            line = read_line(sock, MAX_ANSWER)
         except socket.timeout:
             raise AgentError(f"the p2pw agent at {agent} did not answer in {timeout:g} s") from None
+        except AgentAway:
+            raise AgentAway(f"the p2pw agent at {agent} closed the connection before answering") from None
         except OSError as e:
             if e.errno not in (errno.ECONNRESET, errno.EPIPE):
                 raise
-            raise AgentError(f"the p2pw agent at {agent} closed the connection") from None
+            raise AgentAway(f"the p2pw agent at {agent} closed the connection") from None
+        answer = decode(line)
     finally:
         sock.close()
     if not answer.get("ok"):
         raise AgentError(f"the p2pw agent at {agent}: {answer.get('error') or 'refused'}")
     return answer
+
+
+def ask_until(agent: str, request: dict, wait: float, timeout: float | None = None, clock=time.monotonic,
+              sleep=time.sleep) -> dict:
+    """``ask``, asked again after ``backoff`` while the agent is away, for up to ``wait`` seconds (then the last
+    AgentAway, its line saying how long it waited)."""
+    deadline, tries = clock() + wait, 0
+    while True:
+        try:
+            return ask(agent, request, timeout)
+        except AgentAway as e:
+            pause = backoff(tries)
+            if clock() + pause > deadline:
+                raise AgentAway(f"{e} (waited {wait:g} s)") from None
+            if not tries:
+                log.warning("%s: asking again for up to %.0f s", e, wait)
+            tries += 1
+            sleep(pause)
