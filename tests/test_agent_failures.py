@@ -68,3 +68,48 @@ def test_a_client_asks_an_away_agent_again_with_backoff_until_its_own_wait_is_sp
     with pytest.raises(local.AgentAway, match=r"no p2pw agent at .*\(waited 10 s\)"):
         local.ask_until(str(tmp_path), {"op": "status"}, 10, clock=lambda: now[0], sleep=sleep)
     assert slept == [0.2, 0.4, 0.8, 1.6, 3.2] and now[0] <= 10
+
+
+def _probe(port, path) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_a_prewarm_line_added_leaves_the_agent_ready_while_its_own_probe_waits_for_the_model(procs, tmp_path):
+    _, port = start_tracker(procs, tmp_path)
+    first, second = model(tmp_path, "warm0"), model(tmp_path, "warm1", size_mb=8)
+    _, id0 = seeder(procs, tmp_path, first, port)
+    _, id1 = seeder(procs, tmp_path, second, port, env={"P2PW_FAULTS": "delay_send=150"})
+    cache, prewarm = tmp_path / "cache", tmp_path / "prewarm"
+    prewarm.write_text(id0 + "\n")
+    a = agent(procs, tmp_path, port, cache, "--no-origin", "--prewarm", prewarm, "--http", "127.0.0.1:0")
+    http = json.loads((tmp_path / f"agent-{len(procs.started) - 1}.json").read_text())["http_port"]
+    until(lambda: _probe(http, f"/readyz/{id0}")[0] == 200, proc=a)
+    assert _probe(http, "/readyz")[0] == 200 and _probe(http, "/healthz")[0] == 200
+    prewarm.write_text(f"{id0}\n{id1}\n")
+    until(lambda: (status(cache).get(id1) or {}).get("state") == "fetching", proc=a)
+    seen = []
+    while (model_probe := _probe(http, f"/readyz/{id1}"))[0] != 200:
+        whole = _probe(http, "/readyz")
+        seen.append((model_probe[0], whole[0], whole[1].get("prewarm_complete")))
+        assert model_probe[0] == 503 and whole[0] == 200, (model_probe, whole)
+        time.sleep(0.2)
+    assert seen and seen[0] == (503, 200, False)  # ready the whole time, its pre-warm named as not complete
+    assert _probe(http, "/readyz") == (200, {"stage": "ready", "prewarm_complete": True})
+
+
+@pytest.mark.parametrize("running, since_tick, answered, alive, why", [
+    (True, 0.4, True, True, ""),
+    (False, 0.4, True, False, "thread stopped"),  # its loop or socket thread ended
+    (True, 61.0, True, False, "not ticked for 61 s"),  # its loop is stuck in a tick
+    (True, 0.4, False, False, "socket does not answer"),  # its socket accepts nothing, or never answers
+    (True, 0.4, None, False, "socket does not answer"),
+])
+def test_an_agent_is_alive_while_its_loop_ticks_and_its_socket_answers(running, since_tick, answered, alive, why):
+    from p2pweights.agent import rules
+
+    got = rules.alive(running, since_tick, answered, wedged=60.0)
+    assert got[0] is alive and why in got[1]

@@ -1,8 +1,10 @@
 """``p2pw agent --http``: the agent's probes and metrics, per model.
 
-- ``/healthz``: 200 while the agent's socket and loop run.
-- ``/readyz``: 200 once every model of the pre-warm list is complete here (503 names those that are not).
-- ``/readyz/MODEL``: 200 once that model (an id or a prefix of 4+ hex digits) is complete here.
+- ``/healthz``: 200 while the agent's loop ticks and its socket answers (``Agent.probe``); 503 when wedged,
+  never because its tracker is away or a model failed.
+- ``/readyz``: 200 while the agent serves local clients (the same probe); the body names the pre-warm models
+  not complete here yet (``prewarm_waiting``): adding a line never takes the agent out of service.
+- ``/readyz/MODEL``: 200 once that model (an id or a prefix of 4+ hex digits) is complete here, 503 before.
 - ``/models``: every model the agent holds, as ``p2pw agent``'s socket ``status`` gives them.
 - ``/metrics``: ``p2pw_agent_models{state}``, and per model ``p2pw_model_ready``, ``p2pw_model_bytes``,
   ``p2pw_received_bytes_total``, ``p2pw_sent_bytes_total``, ``p2pw_origin_read_bytes_total``.
@@ -22,14 +24,16 @@ class AgentReadiness:
         self.agent = agent
 
     def alive(self) -> bool:
-        return self.agent.alive()
+        return self.agent.probe()[0]
 
     def stage(self) -> dict:
-        ready, waiting = self.agent.ready()
-        return {"stage": "ready"} if ready else {"stage": "loading", "waiting_for": waiting}
+        ok, why = self.agent.probe()
+        complete, waiting = self.agent.ready()
+        return {"stage": "ready" if ok else "wedged", **({"why": why} if why else {}), "prewarm_complete": complete,
+                **({"prewarm_waiting": waiting} if waiting else {})}
 
     def ready(self) -> bool:
-        return self.agent.ready()[0]
+        return self.agent.probe()[0]
 
 
 class AgentCollector:

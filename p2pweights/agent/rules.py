@@ -1,4 +1,5 @@
-"""The agent's decisions, pure: the pre-warm list, what may be evicted, how ready a model is."""
+"""The agent's decisions, pure: the pre-warm list, what may be evicted, how ready a model is, whether the agent
+is alive."""
 from __future__ import annotations
 
 import os
@@ -89,6 +90,19 @@ def victims(entries: list[Entry], kept: set[str], closable: set[str], incoming: 
                           in_use=(e.in_use and not free) or e.model_id in kept, owned=e.owned, path=e.path,
                           name=e.name, layout=e.layout))
     return policy.victims(seen, incoming, budget)
+
+
+def alive(running: bool, since_tick: float, answered: bool | None, wedged: float) -> tuple[bool, str]:
+    """``(alive, why not)`` of an agent: its threads ``running``, its loop ticked ``since_tick`` seconds ago (within
+    ``wedged``), and its socket ``answered`` a status.  Its tracker, its models and its pre-warm list are not asked:
+    a restart mends none of them."""
+    if not running:
+        return False, "the agent's loop or socket thread stopped"
+    if since_tick > wedged:
+        return False, f"the agent's loop has not ticked for {since_tick:.0f} s"
+    if not answered:
+        return False, "the agent's socket does not answer"
+    return True, ""
 
 
 def readiness(lines: dict[str, str]) -> tuple[bool, dict]:
