@@ -113,3 +113,59 @@ def test_an_agent_is_alive_while_its_loop_ticks_and_its_socket_answers(running, 
 
     got = rules.alive(running, since_tick, answered, wedged=60.0)
     assert got[0] is alive and why in got[1]
+
+
+def test_a_byte_written_into_a_clients_link_is_mended_in_the_agents_copy_before_a_peer_or_client_gets_it(
+        procs, tmp_path):
+    from test_fleet_get import get, report
+
+    _, port = start_tracker(procs, tmp_path)
+    path = model(tmp_path, "sealed")
+    seed, mid = seeder(procs, tmp_path, path, port)
+    cache = tmp_path / "cache"
+    a = agent(procs, tmp_path, port, cache, "--no-origin")
+    first = procs.start("get", mid, "--agent", cache, "--out", tmp_path / "out0", "-q")
+    assert first.wait(120) == 0, first.output()
+    copy = cache / "models" / mid
+    files = sorted(p for p in (tmp_path / "out0").rglob("*") if p.is_file())
+    assert files and all(os.stat(p).st_mode & 0o777 == 0o444 for p in files)  # the agent's inodes, sealed
+    victim = max(files, key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:  # root may write a 0444 file: the agent must notice
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    until(lambda: (status(cache).get(mid) or {}).get("repairs") == 1, proc=a)
+    until(lambda: status(cache)[mid]["state"] == "ready", proc=a)
+    assert same_tree(path, copy) == [] and same_tree(path, tmp_path / "out0") == []  # the shared inode too
+    seed.popen.terminate()
+    seed.wait(30)
+    peer = get(procs, mid, port, tmp_path / "peer", "--no-origin")  # the agent is the only holder now
+    assert peer.wait(120) == 0, peer.output()
+    assert same_tree(path, tmp_path / "peer") == [] and report(tmp_path / "peer")["bad_chunks"] == 0
+    nxt = procs.start("get", mid, "--agent", cache, "--out", tmp_path / "out1", "-q")
+    assert nxt.wait(120) == 0, nxt.output()
+    assert same_tree(path, tmp_path / "out1") == []
+
+
+def test_a_writer_waiting_for_the_readers_of_a_copy_that_is_not_complete_gives_up_with_one_line(tmp_path):
+    import fcntl
+
+    from p2pweights.errors import P2PError
+    from p2pweights.storage import localcopy
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    reader = localcopy._open_lock(str(copy))
+    fcntl.flock(reader, fcntl.LOCK_SH)  # a reader (a seeder of it) holds a copy with no marker
+    try:
+        with pytest.raises(P2PError, match=r"held by a reader and not complete: gave up waiting to write it "
+                                            r"after 0\.3 s"):
+            localcopy.claim(str(copy), write_wait=0.3)
+        with pytest.raises(P2PError, match=r"held by a reader and not complete$"):
+            localcopy.attach(str(copy))  # a local client never waits to write
+    finally:
+        os.close(reader)
+    held = localcopy.claim(str(copy), write_wait=0.3)  # let go: this one writes it
+    assert held.mode == "write"
+    held.release()

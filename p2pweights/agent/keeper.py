@@ -9,6 +9,13 @@ published at the tracker) or by id (a copy the cache knows, or a swarm the
 tracker has); the agent publishes each manifest under its URL again before
 joining, so a restarted tracker, or one that never heard of a cached model,
 knows the swarm.  The URL of each model is kept in ``CACHE/agent/urls.json``.
+
+A complete copy's files are sealed, mode 0444: a client's hard link to one (``p2pw get
+--agent --out``) shares the inode and its mode, so it cannot write into the copy unless
+it is root.  Each tick the agent stats every file of each complete copy against its
+marker (size and mtime: no byte read); a copy that changed under it is no longer served
+and is mended (``repair``): joined again, every chunk on disk verified, each bad one
+fetched again, before a peer or a local client is handed it.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import threading
 import time
 
 from ..errors import P2PError, UserError
-from ..storage.cache import write_atomically
+from ..storage.cache import PARTIAL, copy_paths, marker_matches, write_atomically
 from ..storage.modelcache import ModelCache, ModelCacheError
 from ..wire.local import MODEL_ID, AgentError
 from . import rules
@@ -28,6 +35,7 @@ log = logging.getLogger("p2pw")
 
 START_WAIT = 600.0  # seconds a client's get waits for the agent to start writing the copy
 LEAVE_WAIT = 5.0  # seconds the agent waits on close for peers that depend on it
+SEALED, WRITABLE = 0o444, 0o644  # a complete copy's files, and a copy's files while written
 
 
 class Held:
@@ -37,10 +45,12 @@ class Held:
         self.model_id, self.url, self.path = model_id, url, path
         self.dl = self.origin = self.error = None
         self.state = "starting"
+        self.repairs = 0  # times its copy changed under the agent and was mended
         self.started = threading.Event()  # set once the copy is written or held (dl), or the start failed
 
     def info(self) -> dict:
-        doc = {"model_id": self.model_id, "url": self.url, "path": self.path, "state": self.state}
+        doc = {"model_id": self.model_id, "url": self.url, "path": self.path, "state": self.state,
+               "repairs": self.repairs}
         if self.error:
             doc["error"] = self.error
         dl = self.dl
@@ -136,6 +146,8 @@ class Keeper:
         try:
             h.dl, h.origin = self._join(h, found)
             h.state = "ready" if h.dl.store.complete and h.dl.cache.complete else "fetching"
+            if h.state == "ready":
+                seal(h.dl.manifest, h.path, SEALED)
             threading.Thread(target=self._finish, args=(h,), name="p2pw-agent-model", daemon=True).start()
         except (UserError, OSError) as e:
             h.state, h.error = "failed", str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -157,6 +169,7 @@ class Keeper:
                 publish(self.tracker, url, manifest, self.key)
             self._remember_url(h.model_id, url)
             self.make_room(manifest)
+            seal(manifest, h.path, WRITABLE)  # a resume writes into the files it mends
             if found is None and not self.no_origin and h.url is not None:  # pinned by its id: read unchecked
                 source = self._origin_source(url, manifest)
             origin = Origin(url, manifest, source)
@@ -192,6 +205,8 @@ class Keeper:
     def _finish(self, h: Held) -> None:
         try:
             h.dl.wait()
+            h.dl.cache.finished.wait()
+            seal(h.dl.manifest, h.path, SEALED)
             h.state = "ready"
             log.info("model %s ready in %s (%d bytes received, %d chunks resumed)", h.model_id[:16], h.path,
                      h.dl.node.stats.bytes_received, h.dl.node.stats.resumed)
@@ -208,11 +223,27 @@ class Keeper:
             dl.close()
 
     def check(self) -> None:
-        """A model whose node stopped (its loop ended with an error) is failed, to be started again."""
+        """A model whose node stopped (its loop ended with an error) is failed, to be started again; a complete
+        copy whose files changed under the agent (their size or mtime is not its marker's) is mended."""
         for h in list(self.held.values()):
             dl = h.dl
             if dl is not None and h.state in ("fetching", "ready") and dl.node.fatal:
                 self.fail(h, dl.node.fatal)
+            elif dl is not None and h.state == "ready" and not marker_matches(dl.manifest, h.path):
+                self.repair(h)
+
+    def repair(self, h: Held) -> None:
+        """Stop serving a copy that changed under the agent and join again with it: every chunk on disk is
+        verified, each bad one fetched again."""
+        with self.lock:
+            if self.closed or h.dl is None:
+                return
+            dl, h.dl, h.state = h.dl, None, "fetching"
+            h.repairs += 1
+        log.warning("model %s: its copy in %s changed under the agent (a file's size or mtime): no longer serving "
+                    "it, verifying every chunk again and fetching the bad ones", h.model_id[:16], h.path)
+        dl.close()
+        threading.Thread(target=self.start, args=(h, None), name="p2pw-agent-repair", daemon=True).start()
 
     # ----- what the cache holds -----------------------------------------------------------------
 
@@ -276,3 +307,13 @@ class Keeper:
             dl, h.dl = h.dl, None
             if dl is not None:
                 dl.close(linger=True, timeout=max(deadline - time.monotonic(), 0.1))
+
+
+def seal(manifest, copy: str, mode: int) -> None:
+    """Set the mode of every file of ``manifest``'s copy under ``copy`` (final or partial) that exists."""
+    for path in copy_paths(manifest, copy):
+        for p in (path, path + PARTIAL):
+            try:
+                os.chmod(p, mode, follow_symlinks=False)
+            except (FileNotFoundError, NotImplementedError):
+                pass

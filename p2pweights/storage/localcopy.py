@@ -49,6 +49,7 @@ CHUNKS = "chunks-"
 POLL = 0.01  # seconds between looks at the writer's chunk bytes while none changed (doubling up to POLL_MAX)
 POLL_MAX = 0.1
 LIVENESS_EVERY = 0.5  # seconds between checks that the writer still holds the lock
+WRITE_WAIT = 300.0  # how long a claim waits for the readers of a copy that is not complete to let go
 PUBLISH_WAIT = 120.0  # how long a reader waits for a writer that holds the lock to publish (its handshake)
 
 
@@ -142,8 +143,28 @@ def complete_copy(copy: str, model_id: str | None = None) -> Manifest | None:
     return manifest
 
 
-def claim(copy: str, model_id: str | None = None) -> CopyClaim:
-    """Take the copy's lock without waiting for a writer: ``write``, ``read`` (complete) or ``attach``."""
+def _wait_to_write(fd: int, copy: str, model_id: str | None, wait: float) -> str:
+    """``write`` once the readers of a copy that is not complete let go, ``read`` if it is complete meanwhile;
+    P2PError (one line, the fd closed) after ``wait`` seconds."""
+    deadline, delay = time.monotonic() + wait, POLL
+    if wait > 0:
+        log.warning("%s is held by a reader and not complete: waiting up to %g s to write it", copy, wait)
+    while True:
+        if _try(fd, fcntl.LOCK_EX):
+            return "write"
+        if complete_copy(copy, model_id) is not None and _try(fd, fcntl.LOCK_SH):
+            return "read"
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            raise P2PError(f"{copy} is held by a reader and not complete"
+                           f"{f': gave up waiting to write it after {wait:g} s' if wait > 0 else ''}")
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+def claim(copy: str, model_id: str | None = None, write_wait: float = WRITE_WAIT) -> CopyClaim:
+    """Take the copy's lock without waiting for a writer: ``write``, ``read`` (complete) or ``attach``; where
+    only readers hold a copy that is not complete, wait up to ``write_wait`` seconds for them to let go."""
     created = not os.path.exists(copy)
     try:
         os.makedirs(copy, exist_ok=True)
@@ -157,9 +178,7 @@ def claim(copy: str, model_id: str | None = None) -> CopyClaim:
             elif _try(fd, fcntl.LOCK_SH):  # only readers hold it
                 mode = "read" if complete_copy(copy, model_id) is not None else None
                 if mode is None:  # readers of a copy not complete (a seeder of it): write once they let go
-                    log.warning("%s is held by a reader and not complete: waiting to write it", copy)
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-                    mode = "write"
+                    mode = _wait_to_write(fd, copy, model_id, write_wait)
             else:
                 os.close(fd)
                 return CopyClaim(copy, "attach", None)
@@ -439,7 +458,7 @@ class Attached:
 def attach(copy: str, model_id: str | None = None, device: str | None = None) -> Attached:
     """Read the copy under ``copy`` from its files: at once if complete, else as the local process writing it
     verifies it.  P2PError if nobody writes it and it is not complete (``api.join`` fetches it then)."""
-    held = claim(copy, model_id)
+    held = claim(copy, model_id, write_wait=0)  # a copy its readers hold, not complete (being mended): P2PError
     if held.mode == "write":
         held.release()
         raise P2PError(f"{copy} holds no complete copy{' of model ' + model_id[:16] if model_id else ''} "
