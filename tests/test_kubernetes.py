@@ -75,7 +75,8 @@ def host_path_of(workload: dict, container: dict, path: str) -> str:
 def test_every_manifest_parses_and_is_a_known_kind():
     kinds = sorted(d["kind"] for d in docs())
     assert kinds == ["ConfigMap", "DaemonSet", "DaemonSet", "DaemonSet", "Deployment", "Deployment", "Deployment",
-                     "Job", "Secret", "Service", "Service", "Service", "StatefulSet"]
+                     "Job", "PersistentVolumeClaim", "PodDisruptionBudget", "Secret", "Service", "Service", "Service",
+                     "StatefulSet"]
     for d in docs():
         assert d["apiVersion"] and d["metadata"]["name"]
 
@@ -192,6 +193,24 @@ def test_the_tracker_runs_alone_behind_a_service_and_every_node_gets_from_it():
     assert get.stay and get.key == tracker.key == publish.key
     assert "nvidia.com/gpu.present" in pod_spec(ds)["nodeSelector"]
     host_path_of(ds, pod_spec(ds)["containers"][0], get.out)  # on a hostPath volume
+
+
+def test_the_tracker_has_a_disruption_budget_and_a_state_volume():
+    dep, pdb = one("Deployment", "p2pw-tracker"), one("PodDisruptionBudget", "p2pw-tracker")
+    assert pdb["spec"]["minAvailable"] == dep["spec"]["replicas"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    c = pod_spec(dep)["containers"][0]
+    volumes = {v["name"]: v for v in pod_spec(dep)["volumes"]}
+    state = next(m for m in c["volumeMounts"] if m["mountPath"] == "/var/lib/p2pw")
+    claim = volumes[state["name"]]["persistentVolumeClaim"]["claimName"]
+    assert one("PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadWriteOnce"]
+    state_dir = getattr(p2pw_args(c), "state_dir", None)
+    assert state_dir in (None, "/var/lib/p2pw")  # where p2pw tracker --state-dir keeps what it must
+
+
+def test_the_init_container_waits_for_an_agent_that_restarts():
+    get = p2pw_args(pod_spec(one("Deployment", "vllm-llama-agent"))["initContainers"][0])
+    assert get.connect_timeout >= 300 and get.give_up_after >= get.connect_timeout
 
 
 def test_the_agent_runs_on_gpu_nodes_with_the_prewarm_list_and_its_cache_on_the_host():
