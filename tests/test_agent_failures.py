@@ -15,7 +15,7 @@ import pytest
 
 from conftest import free_port, same_tree
 from test_agent import agent, model, seeder, status, until
-from test_fleet_get import CHUNK, publish, start_tracker
+from test_fleet_get import publish, start_tracker
 
 pytestmark = pytest.mark.timeout(240) if hasattr(pytest.mark, "timeout") else []
 
