@@ -169,3 +169,25 @@ def test_a_writer_waiting_for_the_readers_of_a_copy_that_is_not_complete_gives_u
     held = localcopy.claim(str(copy), write_wait=0.3)  # let go: this one writes it
     assert held.mode == "write"
     held.release()
+
+
+def test_an_agent_with_no_tracker_is_alive_and_one_whose_loop_is_stuck_is_not(tmp_path, monkeypatch):
+    import threading
+
+    from p2pweights.agent import service
+
+    a = service.Agent(f"127.0.0.1:{free_port()}", str(tmp_path / "cache"))  # nobody at its tracker's address
+    try:
+        assert a.probe() == (True, "")
+        stuck = threading.Event()
+        monkeypatch.setattr(a.keeper, "check", lambda: stuck.wait(60))
+        monkeypatch.setattr(service, "WEDGED", 1.0)
+        why = until(lambda: a.probe()[1], timeout=30)
+        assert "has not ticked" in why
+        stuck.set()
+        until(lambda: a.probe()[0], timeout=30)
+        a.server.close()  # its socket accepts nothing more
+        assert not a.probe()[0]
+    finally:
+        stuck.set()
+        a.close()
