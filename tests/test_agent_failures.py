@@ -191,3 +191,15 @@ def test_an_agent_with_no_tracker_is_alive_and_one_whose_loop_is_stuck_is_not(tm
     finally:
         stuck.set()
         a.close()
+
+
+def test_manifest_publishing_waits_for_the_tracker_as_long_as_its_connect_timeout_says(procs, tmp_path):
+    import subprocess
+
+    from conftest import ROOT, p2pw_argv
+
+    path = model(tmp_path, "pub", size_mb=1)
+    r = subprocess.run(p2pw_argv("manifest", path, "--tracker", f"127.0.0.1:{free_port()}", "--connect-timeout", 1),
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("p2pw: error: no answer from")
+    assert "within 1 s" in r.stderr

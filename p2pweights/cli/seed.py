@@ -139,7 +139,7 @@ def cmd_manifest(args) -> int:
     if args.tracker:
         from ..origin import publish
 
-        publish(args.tracker, args.path, m, load_key(args.key))
+        publish(args.tracker, args.path, m, load_key(args.key), timeout=args.connect_timeout)
         print(f"p2pw: published the manifest of {args.path} (model id {m.model_id}) to {args.tracker}")
         if not args.output:
             return 0
@@ -214,6 +214,8 @@ def manifest_parser(sub) -> None:
     m.add_argument("--tracker", metavar="HOST[:PORT]",
                    help="publish it to this standalone tracker (p2pw tracker), for p2pw get PATH --tracker")
     m.add_argument("--key", metavar="DIR", help="fleet key directory, when the tracker's links are keyed")
+    m.add_argument("--connect-timeout", type=seconds, default=30.0, metavar="S",
+                   help="wait this long for the tracker to take the manifest (default 30)")
     s3_flags(m)
     m.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="leave out entries matching GLOB (as p2pw seed --exclude; repeatable)")
