@@ -203,3 +203,20 @@ def test_manifest_publishing_waits_for_the_tracker_as_long_as_its_connect_timeou
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("p2pw: error: no answer from")
     assert "within 1 s" in r.stderr
+
+
+def test_an_agent_restarted_while_its_tracker_is_away_hands_out_its_complete_copies_at_once(procs, tmp_path):
+    tracker, port = start_tracker(procs, tmp_path)
+    path = model(tmp_path, "kept")
+    seed, mid = seeder(procs, tmp_path, path, port)
+    cache = tmp_path / "cache"
+    first = agent(procs, tmp_path, port, cache, "--no-origin", "--connect-timeout", 120)
+    g = procs.start("get", mid, "--agent", cache, "--out", tmp_path / "out0", "-q")
+    assert g.wait(120) == 0, g.output()
+    for p in (tracker, seed, first):
+        p.popen.terminate()
+        p.wait(30)
+    again = agent(procs, tmp_path, port, cache, "--no-origin", "--connect-timeout", 120)
+    g = procs.start("get", mid, "--agent", cache, "--out", tmp_path / "out1", "-q")
+    assert g.wait(60) == 0, g.output() + again.output()
+    assert same_tree(path, tmp_path / "out1") == []

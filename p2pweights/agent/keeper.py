@@ -27,6 +27,7 @@ import time
 
 from ..errors import P2PError, UserError
 from ..storage.cache import PARTIAL, copy_paths, marker_matches, write_atomically
+from ..storage.localcopy import complete_copy
 from ..storage.modelcache import ModelCache, ModelCacheError
 from ..wire.local import MODEL_ID, AgentError
 from . import rules
@@ -133,8 +134,12 @@ class Keeper:
             if fresh:
                 h = self.held[model_id] = Held(model_id, url or self.urls.get(model_id),
                                                self.cache.copy_dir(model_id))
-        if fresh:
+        if fresh and complete_copy(h.path, model_id) is not None:  # its swarm joined beside, a tracker away or not
+            threading.Thread(target=self.start, args=(h, found), name="p2pw-agent-start", daemon=True).start()
+        elif fresh:
             self.start(h, found)
+        if not h.started.is_set() and complete_copy(h.path, model_id) is not None:
+            return h  # complete on disk: local clients read it while the agent still joins its swarm
         if not h.started.wait(wait):
             raise AgentError(f"model {model_id[:16]} not started after {wait:g} s")
         if h.state == "failed":
@@ -162,11 +167,12 @@ class Keeper:
         url = h.url or f"p2pw:{h.model_id}"  # a model known by id only: its swarm, under a name of the agent's
         manifest, source = found or (self.cache.manifest(h.model_id), None)
         if manifest is None and h.url:
-            manifest = lookup(self.tracker, url, self.key, model_id=h.model_id)
+            manifest = lookup(self.tracker, url, self.key, timeout=self.connect_timeout, model_id=h.model_id)
         origin = None
         if manifest is not None:
-            if lookup(self.tracker, url, self.key, model_id=manifest.model_id) is None:  # a candidate of its own
-                publish(self.tracker, url, manifest, self.key)
+            wait = self.connect_timeout  # a tracker restarting: each ask waits for it this long
+            if lookup(self.tracker, url, self.key, timeout=wait, model_id=manifest.model_id) is None:  # its own
+                publish(self.tracker, url, manifest, self.key, timeout=wait)
             self._remember_url(h.model_id, url)
             self.make_room(manifest)
             seal(manifest, h.path, WRITABLE)  # a resume writes into the files it mends
