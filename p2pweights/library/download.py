@@ -330,8 +330,7 @@ def join(parent: str, *, out: str | None = None, port: int = 0, host: str = "0.0
     if model_id is not None and cache is not None and not retry_now:
         _refuse_remembered(cache, model_id, where)
     model_id, p_host, parent = _checked(model_id, device, parent, advertise)
-    # the folder's writer, reader or neither (a writer waits for readers of an incomplete copy up to give_up_after)
-    held = claim_copy(out, model_id, write_wait=give_up_after) if out is not None else None
+    held = claim_copy(out, model_id, write_wait=give_up_after) if out is not None else None  # writer, reader, neither
     if held is not None and held.mode == "attach":
         return Attached(out, model_id, device)
     ctx, gate, router, my_port = _bound(host, port, key, held, io_threads)
