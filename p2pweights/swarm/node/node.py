@@ -35,6 +35,7 @@ from .forward import Forwarding
 from .intake import Intake
 from .lanes import Lanes
 from .member import Membership
+from .originread import back_to_source
 from .partners import Partners, send_nowait, tcp  # noqa: F401  (tcp: part of the node's surface)
 from ...wire.context import default_lanes
 from ...wire.protocol import MAX_LANE, MAX_NAME, YOUNG, Connection, Msg  # noqa: F401  (MAX_NAME: the node's limits)
@@ -286,6 +287,7 @@ class Node:
             self.endpoint.review(self.stats.chunks_sent)
             self.endpoint.publish(now)
         self.partners.watch(now)
+        back_to_source(self, now)  # an origin reader whose tracker is away reads what no partner holds
         for rank, chunks in self.pull.stalled():
             self.stats.stalled += len(chunks)
             log.warning("re-requesting chunk(s) %s elsewhere: outstanding at rank %d far longer than "

@@ -24,12 +24,15 @@ import threading
 import zmq
 
 from ...sources.manifest import chunk_hasher
+from ..policy.backtosource import BackToSource, tracker_away
+from ..policy.link import held_by
 
 log = logging.getLogger("p2pw")
 
 READY = struct.Struct("<I?")  # reader -> loop: chunk index, matched the manifest (as ``handlers.READY``)
 GROUP = 4  # chunks read at once from a source that reads one at a time (a parallel one reads its concurrency)
 RUNS = 2  # ranged GETs in flight per reader where a source reads runs of consecutive chunks (``range_size``)
+FALLBACK_INTERVAL = 0.5  # seconds between looks at what to read while the tracker is away
 
 
 class OriginReader:
@@ -44,6 +47,8 @@ class OriginReader:
         self.ready: dict[int, memoryview] = {}  # read and verified, not yet taken by the loop
         self.mismatched: set[int] = set()  # read whole, and not the manifest's hash (not merely unreadable)
         self.stopping = False
+        self.fallback = BackToSource(manifest.n_chunks)  # what we read while the tracker is away
+        self.next_fallback = 0.0
         self.thread = threading.Thread(target=self._run, name="p2pw-origin", daemon=True)
         self.thread.start()
 
@@ -53,8 +58,10 @@ class OriginReader:
         return self.source.bytes_read
 
     def share(self, chunks) -> None:
-        """Read ``chunks`` (the loop's thread: from a SHARE)."""
-        self.requests.put(list(chunks))
+        """Read ``chunks`` (the loop's thread: from a SHARE, or back to source)."""
+        chunks = list(chunks)
+        self.fallback.asked_before(chunks)
+        self.requests.put(chunks)
 
     def take(self, index: int):
         """The verified bytes of chunk ``index``, once (the loop's thread)."""
@@ -116,6 +123,24 @@ def attach(node, source) -> None:
     tx.connect(node.inbox_addr)
     node.origin = OriginReader(source, node.manifest, node.store.has,
                                lambda i, ok: tx.send_multipart([b"origin", READY.pack(i, ok)]), on_exit=tx.close)
+
+
+def back_to_source(node, now: float) -> None:
+    """The tracker away: read what no live partner holds, our part of it by ``backtosource``'s split (the
+    loop's thread, at its timers); nothing while the tracker speaks (its shares rule)."""
+    origin, member = node.origin, node.member
+    if origin is None or member is None or node.store.complete or now < origin.next_fallback \
+            or not tracker_away(member.heard, now, member.tracker_timeout):
+        return
+    origin.next_fallback = now + FALLBACK_INTERVAL
+    links = node.pull.links
+    known = node.pull.have | held_by(links, besides=())
+    readers = [r for r in node.partners.readers if r in links]
+    todo = origin.fallback.reads(node.rank, readers, known)
+    if todo:
+        log.info("tracker %s away: reading %d chunk(s) from the origin (first %s), %d other reader(s) known",
+                 member.addr, len(todo), todo[:8], len(readers))
+        origin.requests.put(todo)
 
 
 def landed(node, index: int, ok: bool) -> None:

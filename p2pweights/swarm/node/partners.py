@@ -22,6 +22,7 @@ import zmq
 
 from ...wire import keys, protocol
 from ...wire.protocol import CLIENT_TRANSITIONS, LANE_TRANSITIONS, Connection, Msg
+from ..policy.backtosource import tracker_away
 from ..policy.serve import MAX_PARKED
 
 log = logging.getLogger("p2pw")
@@ -79,6 +80,7 @@ class Partners:
         self.tickets: dict[int, str] = {}  # rank -> the ticket that admits us there (the tracker's plan entry's)
         self.pulls = True  # False: a seeder among peers serves what it reads and pulls from nobody
         self.refusal: str | None = None  # the last partner's refusal of our ATTACH, for a give-up's message
+        self.readers: set[int] = set()  # partners the tracker named origin readers (``originread.back_to_source``)
 
     def watch(self, now: float) -> None:
         for link in list(self.links.values()):
@@ -116,6 +118,7 @@ class Partners:
             if self._entry_ok(p) and p["rank"] != n.rank:
                 want.setdefault(p["rank"], p["addr"] or n.tracker_addr)
                 told.append(p)
+        self.readers = {p["rank"] for p in told if p.get("reader") is True}
         downstream = {p["rank"]: p.get("downstream") for p in told}
         n.pull.set_downstream({r: d for r, d in downstream.items() if isinstance(d, int) and d >= 0},
                               {p["rank"] for p in told if p.get("slow") is True},
@@ -245,7 +248,8 @@ class Partners:
         return list(self.plan)
 
     def _watch(self, link: PartnerLink, now: float) -> None:
-        """Give up a silent partner, or a planned source that answers but sends nothing."""
+        """Give up a silent partner, or a planned source that answers but sends nothing (kept while the tracker
+        is away: no plan would replace it, and it may yet read from the origin what we ask of it)."""
         n = self.node
         lk = n.pull.links.get(link.rank)
         silent = now - link.last_heard
@@ -254,7 +258,8 @@ class Partners:
             return
         planned = any(p["rank"] == link.rank for p in self.plan)
         if planned and link.rank != 0 and lk is not None and lk.outstanding \
-                and now - link.last_chunk > 3 * n.parent_timeout and n.member is not None:
+                and now - link.last_chunk > 3 * n.parent_timeout and n.member is not None \
+                and not tracker_away(n.member.heard, now, n.member.tracker_timeout):
             self.give_up(link.rank, f"stalled: no chunk for {now - link.last_chunk:.1f} s though it is alive")
 
     def _busy_not_dead(self, link: PartnerLink, lk, silent: float, now: float) -> bool:

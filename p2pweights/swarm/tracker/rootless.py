@@ -116,13 +116,14 @@ class RootlessTracker(Tracker):
         return [p for p in super().parent_addrs(member) if p["rank"] != ROOT]
 
     def partner_addrs(self, member: Member) -> list[dict]:
-        """Partners, and for a stripe's root or a reader, the origin readers besides (``MAX_FEEDERS``)."""
-        out = super().partner_addrs(member)
+        """Partners, and for a stripe's root or a reader, the origin readers besides (``MAX_FEEDERS``); a reader's
+        entry says ``reader``: while the tracker is away, readers split what nobody holds among them."""
+        out = [dict(p, reader=True) if p["rank"] in self.readers else p for p in super().partner_addrs(member)]
         if member.rank not in self.readers and ROOT not in member.parents:
             return out
         listed = {p["rank"] for p in out} | {member.rank}
         for r in self._live_readers()[:MAX_FEEDERS]:
             if r not in listed:
                 out.append({"rank": r, "addr": self.listen_of(r), "ticket": self.seal.ticket(r, member.rank),
-                            "downstream": 0})
+                            "downstream": 0, "reader": True})
         return out
