@@ -15,6 +15,7 @@ import struct
 import zmq
 
 from ...wire import protocol
+from ..policy.backtosource import tracker_away
 from .partners import BYE_LINGER_MS, send_nowait
 from ...wire.protocol import CLIENT_TRANSITIONS, Connection, Msg
 from .uplink import probe_in_background, split_host_port
@@ -158,9 +159,12 @@ class Membership:
                 self.post(protocol.control(Msg.DONE, rank=node.rank))
                 for rank in list(node.partners.links):  # nothing more to pull: only serve from now on
                     node.partners.close(rank)
-            if node.leave_when_done and now - self.heard > self.tracker_timeout:
-                log.warning("tracker %s silent for %.0f s: leaving without its word (nobody can tell us who "
-                            "still depends on this copy)", self.addr, now - self.heard)
+            silent = now - self.heard
+            if node.leave_when_done and (silent > self.tracker_timeout or not node.children and tracker_away(
+                    self.heard, now, self.tracker_timeout)):
+                log.warning("tracker %s silent for %.0f s: leaving without its word (%s)", self.addr, silent,
+                            "nobody pulls from us now" if not node.children else
+                            "nobody can tell us who still depends on this copy")
                 node.left.set()
                 node.stop_event.set()
             elif node.leave_when_done and now >= self.leave_next:

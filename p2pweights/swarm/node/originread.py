@@ -48,7 +48,7 @@ class OriginReader:
         self.mismatched: set[int] = set()  # read whole, and not the manifest's hash (not merely unreadable)
         self.stopping = False
         self.fallback = BackToSource(manifest.n_chunks)  # what we read while the tracker is away
-        self.next_fallback = 0.0
+        self.next_fallback, self.away = 0.0, False  # (away: reading back to source since the tracker went silent)
         self.thread = threading.Thread(target=self._run, name="p2pw-origin", daemon=True)
         self.thread.start()
 
@@ -129,17 +129,22 @@ def back_to_source(node, now: float) -> None:
     """The tracker away: read what no live partner holds, our part of it by ``backtosource``'s split (the
     loop's thread, at its timers); nothing while the tracker speaks (its shares rule)."""
     origin, member = node.origin, node.member
-    if origin is None or member is None or node.store.complete or now < origin.next_fallback \
-            or not tracker_away(member.heard, now, member.tracker_timeout):
+    if origin is None or member is None or node.store.complete or now < origin.next_fallback:
+        return
+    if not tracker_away(member.heard, now, member.tracker_timeout):
+        origin.away = False
         return
     origin.next_fallback = now + FALLBACK_INTERVAL
     links = node.pull.links
     known = node.pull.have | held_by(links, besides=())
-    readers = [r for r in node.partners.readers if r in links]
+    readers = list(links)  # any partner may read the origin (a plan sent before it said so names none)
+    if not origin.away:
+        origin.away = True
+        log.warning("tracker %s silent for %.0f s: reading what no partner holds from the origin ourselves, "
+                    "our part of it among %d reader(s)", member.addr, now - member.heard, len(readers) + 1)
     todo = origin.fallback.reads(node.rank, readers, known)
     if todo:
-        log.info("tracker %s away: reading %d chunk(s) from the origin (first %s), %d other reader(s) known",
-                 member.addr, len(todo), todo[:8], len(readers))
+        log.info("reading %d chunk(s) from the origin (first %s)", len(todo), todo[:8])
         origin.requests.put(todo)
 
 

@@ -80,7 +80,6 @@ class Partners:
         self.tickets: dict[int, str] = {}  # rank -> the ticket that admits us there (the tracker's plan entry's)
         self.pulls = True  # False: a seeder among peers serves what it reads and pulls from nobody
         self.refusal: str | None = None  # the last partner's refusal of our ATTACH, for a give-up's message
-        self.readers: set[int] = set()  # partners the tracker named origin readers (``originread.back_to_source``)
 
     def watch(self, now: float) -> None:
         for link in list(self.links.values()):
@@ -118,7 +117,6 @@ class Partners:
             if self._entry_ok(p) and p["rank"] != n.rank:
                 want.setdefault(p["rank"], p["addr"] or n.tracker_addr)
                 told.append(p)
-        self.readers = {p["rank"] for p in told if p.get("reader") is True}
         downstream = {p["rank"]: p.get("downstream") for p in told}
         n.pull.set_downstream({r: d for r, d in downstream.items() if isinstance(d, int) and d >= 0},
                               {p["rank"] for p in told if p.get("slow") is True},

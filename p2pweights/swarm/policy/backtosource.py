@@ -5,12 +5,13 @@ With the tracker up, it hands each reader a share of the chunks nobody holds
 can read the origin reads what no live partner holds itself, by three rules:
 
 1. the split: the chunks are cut into blocks of ``BLOCK``, dealt in turn to the
-   readers this member knows (itself and the partners the tracker named
-   readers, by rank): each reads its own blocks, so the origin is still read
-   about once in all;
+   readers this member knows (itself and its live partners, by rank: a plan
+   sent before a partner said it reads the origin cannot tell), each reading
+   its own blocks, so the origin is still read about once in all;
 2. the takeover: a reader whose blocks gained no chunk held by us or a live
-   partner for ``STUCK_AFTER`` s (or whose link is gone) is stuck; its blocks
-   are dealt again among the others;
+   partner for ``STUCK_AFTER`` s (it cannot read the origin, or reads nothing)
+   is stuck; its blocks are dealt again among the others (a gone link is no
+   reader at all);
 3. once: a chunk is asked of the origin at most once per host (whatever the
    tracker's shares asked before are counted too).
 
