@@ -124,9 +124,12 @@ def test_a_chunk_is_asked_of_the_origin_once_per_host_shares_included():
     from p2pweights.swarm.policy.backtosource import BackToSource
 
     b = BackToSource(8, Clock(), block=4)
-    b.asked_before([0, 1])  # a tracker's share, read before it went away
+    assert b.first_asks([0, 1, 1]) == [0, 1]  # a tracker's share, read before it went away
     assert b.reads(1, [], 0) == [2, 3, 4, 5, 6, 7]
     assert b.reads(1, [], 0) == []  # not yet landed: still not asked again
+    assert b.first_asks([1, 2]) == []  # nor by the tracker's next share, once it is back
+    b.failed(2)  # unless its read failed
+    assert b.first_asks([1, 2]) == [2]
 
 
 def test_a_stuck_readers_blocks_are_dealt_to_the_others_and_one_making_progress_keeps_them():

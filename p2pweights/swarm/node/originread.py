@@ -59,9 +59,9 @@ class OriginReader:
 
     def share(self, chunks) -> None:
         """Read ``chunks`` (the loop's thread: from a SHARE, or back to source)."""
-        chunks = list(chunks)
-        self.fallback.asked_before(chunks)
-        self.requests.put(chunks)
+        chunks = self.fallback.first_asks(chunks)  # (one asked back to source meanwhile is in flight)
+        if chunks:
+            self.requests.put(chunks)
 
     def take(self, index: int):
         """The verified bytes of chunk ``index``, once (the loop's thread)."""
@@ -157,6 +157,8 @@ def landed(node, index: int, ok: bool) -> None:
                    "is not the origin's; not taking it from peers either (give --model-id ID of the origin's)")
         return
     if not ok or data is None:
+        if node.origin is not None:
+            node.origin.fallback.failed(index)
         log.error("chunk %d read from the origin does not match the manifest (or could not be read): not "
                   "serving it", index)
         return

@@ -12,8 +12,8 @@ can read the origin reads what no live partner holds itself, by three rules:
    partner for ``STUCK_AFTER`` s (it cannot read the origin, or reads nothing)
    is stuck; its blocks are dealt again among the others (a gone link is no
    reader at all);
-3. once: a chunk is asked of the origin at most once per host (whatever the
-   tracker's shares asked before are counted too).
+3. once: a chunk is asked of the origin at most once per host, by a share or
+   back to source, unless its read failed.
 
 Nothing is read while the tracker speaks: its shares rule then.
 """
@@ -42,10 +42,16 @@ class BackToSource:
         self.gained: dict[int, tuple[int, float]] = {}  # reader rank -> (its blocks' chunks held, when that grew)
         self._masks: tuple[tuple, dict[int, int]] = ((), {})  # the split of the last readers: rank -> its bitset
 
-    def asked_before(self, chunks) -> None:
-        """``chunks`` were asked of the origin already (a tracker's share): never again (rule 3)."""
-        for i in chunks:
+    def first_asks(self, chunks) -> list[int]:
+        """Of ``chunks`` (a tracker's share), those not asked of the origin before, now asked (rule 3)."""
+        out = [i for i in dict.fromkeys(chunks) if not self.asked >> i & 1]
+        for i in out:
             self.asked |= 1 << i
+        return out
+
+    def failed(self, index: int) -> None:
+        """Chunk ``index`` could not be read (or did not match): it may be asked again (a share)."""
+        self.asked &= ~(1 << index)
 
     def split(self, ranks: tuple) -> dict[int, int]:
         """Rule 1: reader rank -> the bitset of its blocks (block k to ``ranks[k % len(ranks)]``)."""
