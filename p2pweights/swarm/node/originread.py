@@ -13,6 +13,12 @@ it at once and parked requests are served) and reports it to the tracker
 and the store keeps one writer: the loop.  A member that pulls and reads a
 chunk whole that is not the manifest's fails: the manifest is not the origin's,
 so the swarm's copy of that chunk is not taken instead.
+
+With the tracker away (silent a few seconds: killed, evicted, restarting), no
+share comes; the loop then asks this thread for its part of what no live
+partner holds (``back_to_source``, by ``policy.backtosource``), so downloads go
+on; once the tracker speaks again its shares rule, and each chunk is asked of
+the origin once per host either way.
 """
 from __future__ import annotations
 
