@@ -61,8 +61,6 @@ def test_a_tracker_gone_for_good_mid_broadcast_costs_no_get_its_copy(procs, tmp_
         reads = [report(tmp_path / f"h{k}") for k in range(3)]
         assert all(r["origin_reader"] and r["bad_chunks"] == 0 for r in reads)
         assert sum(r["origin_bytes_read"] for r in reads) <= 1.5 * size_of(model_dir)  # the origin read about once
-        ranges = [(path, rng) for path, rng, _ in proxy.gets]
-        assert all(ranges.count(r) <= 3 for r in set(ranges))  # no range read twice by one host at least
     finally:
         if proxy is not None:
             proxy.close()

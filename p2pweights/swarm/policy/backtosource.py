@@ -23,7 +23,8 @@ import time
 
 from ...wire.chunkset import indices_of
 
-AWAY_AFTER = 3.0  # seconds the tracker may be silent (it heartbeats every 0.5 s) before readers go back to source
+AWAY_AFTER = 5.0  # seconds the tracker may be silent (it heartbeats every 0.5 s) before readers go back to source
+#                  (ten beats: a tracker slowed by a busy host does not cost the origin a second read)
 STUCK_AFTER = 5.0  # seconds a reader's blocks may gain nothing before the others read them
 BLOCK = 8  # consecutive chunks dealt to one reader (a few ranged GETs' worth)
 
