@@ -35,7 +35,9 @@ def slow_proxy(s3, port: int, delay: float):
     return proxy
 
 
-def test_a_tracker_gone_for_good_mid_broadcast_costs_no_get_its_copy(procs, tmp_path, model_dir):
+def outage(procs, tmp_path, model_dir, delay: float, back_after: float | None):
+    """3 gets with credentials, the tracker killed once chunks arrived and restarted ``back_after`` s later (None:
+    never): every copy complete, byte for byte, and the origin read about once in all."""
     s3 = pytest.importorskip("test_s3")
     moto = s3.MotoServer()
     proxy = None
@@ -44,7 +46,7 @@ def test_a_tracker_gone_for_good_mid_broadcast_costs_no_get_its_copy(procs, tmp_
         url = "s3://outage/model"
         tracker, port = start_tracker(procs, tmp_path)
         mid = published_id(publish(port, url, env=s3.s3_env(moto.url)))
-        proxy = slow_proxy(s3, moto.port, 0.4)
+        proxy = slow_proxy(s3, moto.port, delay)
         gets = [get(procs, url, port, tmp_path / f"h{k}", "--model-id", mid, "--s3-range-size", "256KiB",
                     env=s3.s3_env(proxy.url)) for k in range(3)]
         deadline = time.monotonic() + 60
@@ -52,8 +54,11 @@ def test_a_tracker_gone_for_good_mid_broadcast_costs_no_get_its_copy(procs, tmp_
             assert time.monotonic() < deadline and gets[0].popen.poll() is None, gets[0].output()
             time.sleep(0.05)
         assert all(g.popen.poll() is None for g in gets)  # mid-broadcast: no copy complete yet
-        os.kill(tracker.pid, signal.SIGKILL)  # and never back
+        os.kill(tracker.pid, signal.SIGKILL)
         tracker.popen.wait(10)
+        if back_after is not None:
+            time.sleep(back_after)  # (a pause, not a measure: what is asserted is bytes and exit codes)
+            start_tracker(procs, tmp_path, port=port, name="tracker2")  # empty: rebuilt from the members
         for g in gets:
             assert g.wait(150) == 0, g.output()
         for k in range(3):
@@ -65,6 +70,15 @@ def test_a_tracker_gone_for_good_mid_broadcast_costs_no_get_its_copy(procs, tmp_
         if proxy is not None:
             proxy.close()
         moto.close()
+
+
+def test_a_tracker_gone_for_good_mid_broadcast_costs_no_get_its_copy(procs, tmp_path, model_dir):
+    outage(procs, tmp_path, model_dir, 0.4, None)
+
+
+def test_a_tracker_back_mid_broadcast_takes_the_readers_back_and_the_origin_is_still_read_about_once(
+        procs, tmp_path, model_dir):
+    outage(procs, tmp_path, model_dir, 1.0, 7.0)  # back after the readers went back to source
 
 
 def test_a_get_with_no_tracker_no_peer_and_no_origin_fails_with_one_line(procs, tmp_path, model_dir):
