@@ -363,7 +363,8 @@ class Tracking:
 
     def __init__(self, *, port: int = 7420, host: str = "0.0.0.0", key=None, topology: str = "forest:2",
                  advertise: str | None = None, max_peers: int = 10_000, member_timeout: float | None = None,
-                 probe_port: int = 0, max_per_host: int | None = None, publish_from: str | None = None):
+                 probe_port: int = 0, max_per_host: int | None = None, publish_from: str | None = None,
+                 state_dir: str | None = None):
         from .library.handshake import parse_addr
         from .swarm.node.uplink import probe_sink
         from .swarm.node.node import bind_router
@@ -376,6 +377,15 @@ class Tracking:
             raise P2PError(f"--topology {topology}: a tracker with no seeder places forest:K plans only (a rule-based "
                            "plan hangs every tree off a seeder)")
         publishers = Publishers.parse(publish_from)
+        state = kept = None
+        if state_dir is not None:  # read before anything listens: a member finds every kept swarm open
+            from .swarm.tracker.registry import MAX_SWARMS
+            from .swarm.tracker.statedir import TrackerState
+            try:
+                state = TrackerState(state_dir, MAX_SWARMS)
+                kept = state.load()
+            except OSError as e:
+                raise P2PError(f"--state-dir {state_dir}: {e.strerror or e}") from None
         self.ctx = zmq.Context()
         self.gate = keys.gate(self.ctx, key)
         try:
@@ -390,7 +400,9 @@ class Tracking:
                                  member_timeout=member_timeout, max_peers=max_peers)
         if self.probe_sink is not None:
             self.registry.probe_port = self.probe_sink.port
-        self.node = TrackerServer(router, self.registry, publishers=publishers,
+        if kept is not None:
+            self.registry.restore(kept.manifests, kept.urls, kept.opened)
+        self.node = TrackerServer(router, self.registry, publishers=publishers, state=state,
                                   **({"max_per_host": max_per_host} if max_per_host else {}))
         self.node.start()
 

@@ -13,7 +13,7 @@ def cmd_tracker(args) -> int:
     key = load_key(args.key)
     t = Tracking(port=args.port, host=args.host, key=key, topology=args.topology, advertise=args.advertise,
                  max_peers=args.max_peers, member_timeout=args.member_timeout, probe_port=args.probe_port,
-                 max_per_host=args.max_conns_per_host, publish_from=args.publish_from)
+                 max_per_host=args.max_conns_per_host, publish_from=args.publish_from, state_dir=args.state_dir)
     bind(http, t)
     say("serving", f"p2pw: tracker listening on {args.host}:{t.port}: a swarm per model published to it "
         f"(p2pw seed PATH --tracker HOST:{t.port}, p2pw get URL --tracker HOST:{t.port})", port=t.port)
@@ -44,6 +44,9 @@ def tracker_parser(sub) -> None:
     t.add_argument("--publish-from", metavar="ADDR[,ADDR...]",
                    help="take PUBLISH only from these IPs or CIDRs (the operator's hosts); their swarms are never "
                         "evicted for others' (default: anyone who reaches the port may publish)")
+    t.add_argument("--state-dir", metavar="DIR",
+                   help="keep published manifests and URL -> model id bindings in DIR (a volume), written durably "
+                        "and reloaded on start: a restart forgets no model (default: kept in memory only)")
     t.add_argument("--ready", type=output_path, help="write {port} as JSON to this file once listening")
     ops_flags(t)
     t.set_defaults(func=cmd_tracker)

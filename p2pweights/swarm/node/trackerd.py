@@ -6,7 +6,12 @@ routes it to the swarm of its model id.  Every half second it heartbeats
 every member, reviews each swarm's rates and publishes its fleet snapshot.
 A malformed message costs its sender one ERROR (after 32, it is ignored),
 never the loop; connections per address are capped (``admission``), and a
-PUBLISH from an address ``publishers`` does not list gets one ERROR.  It moves
+PUBLISH from an address ``publishers`` does not list gets one ERROR.  A
+member's report from a connection that is no member here (a restarted
+tracker's: what the member queued while it was away) is a stray: counted,
+dropped, and answered with one ``NOT_A_MEMBER`` a connection every
+``STRAY_TELL_EVERY`` seconds.  With a state folder (``statedir``) the
+registry's manifests and URL bindings are written after each change.  It moves
 no chunk bytes: its memory is the swarms' manifests and membership.
 """
 from __future__ import annotations
@@ -24,8 +29,11 @@ from ..tracker.admission import MAX_PER_HOST, Admission
 from .handlers import MAX_BAD_MESSAGES, _peer_address
 from .node import HEARTBEAT_INTERVAL, IDLE_FORGET, TIMER_INTERVAL
 from ..tracker.publishers import Publishers
+from ..tracker.registry import NOT_A_MEMBER
 
 MAX_MESSAGE = MAX_MANIFEST_BYTES + (64 << 10)  # the tracker's ROUTER takes a PUBLISH of the largest manifest
+MEMBER_REPORTS = frozenset({Msg.HEARTBEAT, Msg.READ, Msg.DONE, Msg.LEAVE, Msg.ORPHAN, Msg.PROBE})
+STRAY_TELL_EVERY = 10.0  # seconds between NOT_A_MEMBER answers to one connection's strays
 
 log = logging.getLogger("p2pw")
 
@@ -34,14 +42,17 @@ class TrackerServer:
     """Serves the ``registry``'s swarms on ``router`` (bound by ``node.bind_router``) from a thread of its own."""
 
     def __init__(self, router: zmq.Socket, registry, max_per_host: int = MAX_PER_HOST, clock=time.monotonic,
-                 publishers: Publishers | None = None):
-        self.router, self.registry, self.clock = router, registry, clock
+                 publishers: Publishers | None = None, state=None):
+        self.router, self.registry, self.clock, self.state = router, registry, clock, state
         self.publishers = publishers or Publishers()
         self.admission = Admission(max_per_host)
         self.conns: dict[bytes, Connection] = {}
         self.bad: dict[bytes, int] = {}
         self.seen: dict[bytes, float] = {}
         self.malformed = 0
+        self.strays = 0  # member reports from connections that are no member here, dropped
+        self.told: dict[bytes, float] = {}  # connection -> when it was last told NOT_A_MEMBER
+        self.save_failed = False
         self.next_beat = self.next_timers = self.next_prune = 0.0
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
@@ -66,8 +77,10 @@ class TrackerServer:
                         if not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                             break
                         self._receive()
+                self._save()  # before the answers: a publisher told PUBLISHED has its manifest on disk
                 self._flush()  # before the timers: a joiner hears WELCOME before any heartbeat
                 self._tick(self.clock())
+                self._save()
                 self._flush()
         except Exception as e:  # a bug: end loudly rather than serve nobody
             log.exception("tracker loop crashed")
@@ -90,7 +103,10 @@ class TrackerServer:
                 return
             conn = self.conns[ident] = Connection(SERVER_TRANSITIONS, "new")
         try:
-            event = conn.receive(protocol.decode([f.bytes for f in frames]))
+            msg = protocol.decode([f.bytes for f in frames])
+            if msg.type in MEMBER_REPORTS and ident not in self.registry.conns:
+                return self._stray(ident)
+            event = conn.receive(msg)
             if event.type == Msg.ERROR:
                 return
             self._handle(ident, event)
@@ -115,6 +131,29 @@ class TrackerServer:
             keep = reg.route(ident, kind, event.fields)
         if keep is False and ident not in reg.conns:
             self._drop(ident)
+
+    def _stray(self, ident: bytes) -> None:
+        """A member's report on a connection that is no member here: dropped, counted; the sender is told to
+        introduce itself, once a ``STRAY_TELL_EVERY``."""
+        self.strays += 1
+        now = self.clock()
+        if now - self.told.get(ident, -STRAY_TELL_EVERY) >= STRAY_TELL_EVERY:
+            self.told[ident] = now
+            self._send(ident, protocol.control(Msg.ERROR, message=NOT_A_MEMBER))
+
+    def _save(self) -> None:
+        """The registry's manifests and bindings written to the state folder, if they changed; a failure is
+        one log line (tried again at the next change), never the loop."""
+        if not self.registry.dirty or self.state is None:
+            return
+        self.registry.dirty = False
+        try:
+            self.state.save(*self.registry.kept())
+            self.save_failed = False
+        except OSError as e:
+            if not self.save_failed:
+                log.error("state %s not written: %s (a restart forgets what changed since)", self.state.path, e)
+            self.save_failed = True
 
     def _reject(self, ident: bytes, reason: str, tell: bool) -> None:
         self.bad[ident] = self.bad.get(ident, 0) + 1
@@ -162,4 +201,5 @@ class TrackerServer:
             for ident in [i for i, t in self.seen.items() if now - t > IDLE_FORGET and i not in self.registry.conns]:
                 del self.seen[ident]
                 self.bad.pop(ident, None)
+                self.told.pop(ident, None)
                 self._drop(ident)

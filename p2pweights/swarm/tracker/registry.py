@@ -17,10 +17,13 @@ one model is never placed with, nor told of, another's.  Each swarm is a
 (``endpoint.TrackerEndpoint``: placement, partners, demotion, status) and the
 origin shares of its readers (``shares.OriginShares``).
 
-After a restart the registry is empty: members re-introduce themselves (a
-HEARTBEAT from a connection that is no member is answered with an ERROR that
-makes it do so at once), each first publishing its manifest again, and a
-reader reports what it holds (READ), so the pool of chunks to read is rebuilt.
+After a restart the registry is empty, unless a state folder kept its manifests
+and URL bindings (``statedir``: ``restore`` opens their swarms at once, ``kept``
+is what to write back after each change, flagged by ``dirty``): members
+re-introduce themselves (a HEARTBEAT from a connection that is no member is
+answered with an ERROR that makes it do so), each first publishing its manifest
+again, and a reader reports what it holds (READ), so the pool of chunks to read
+is rebuilt.
 """
 from __future__ import annotations
 
@@ -127,6 +130,7 @@ class Registry:
         self.conns: dict[bytes, str] = {}  # member connection -> its swarm's model id
         self.out: list[tuple[bytes, list]] = []
         self.probe_port = 0
+        self.dirty = False  # manifests or URL bindings changed since ``kept`` was last written
 
     def take(self) -> list[tuple[bytes, list]]:
         out, self.out = self.out, []
@@ -170,11 +174,14 @@ class Registry:
                 why = f"this tracker serves {len(self.swarms)} models, each with live members: no room for another"
         if why is not None:
             return self.refuse(ident, why)
+        before = self._bound(url)
         if mid not in self.swarms:
             self.swarms[mid], self.opened[mid] = self._swarm(manifest), cand
+            self.dirty = True
             log.info("model %s published for %s from %s: %d chunks of %d bytes", mid[:16], url, source,
                      manifest.n_chunks, manifest.chunk_size)
         self._placed(url, cand)
+        self.dirty |= self._bound(url) != before
         self.swarms[mid].used = self.clock()
         self._send(ident, protocol.control(Msg.PUBLISHED, model_id=mid))
         return ident in self.conns
@@ -211,6 +218,9 @@ class Registry:
             self.urls[url] = [*cands, cand]
         return None
 
+    def _bound(self, url: str) -> list[tuple]:
+        return [(c.model_id, c.source, c.operator, c.confirmed) for c in self.urls.get(url, [])]
+
     def candidates(self, url: str) -> list[Candidate]:
         """``url``'s candidates of a live swarm: confirmed (or the operator's) first, then first come."""
         cands = [c for c in self.urls.get(url, []) if c.model_id in self.swarms]
@@ -238,6 +248,7 @@ class Registry:
         mid = min(unproven or idle)[1]
         log.warning("model %s (opened from %s) evicted: room for another", mid[:16], self.opened[mid].source)
         del self.swarms[mid], self.opened[mid]
+        self.dirty = True
         self.urls = {u: kept for u, cs in self.urls.items() if (kept := [c for c in cs if c.model_id != mid])}
         self.conns = {i: m for i, m in self.conns.items() if m != mid}  # its members are told to introduce again
         return True
@@ -273,6 +284,29 @@ class Registry:
                        self.swarms[picked.model_id].endpoint.manifest_frame)
         return False  # answered: the asker holds no state here
 
+    # ----- kept across a restart (``statedir``) ---------------------------------
+
+    def kept(self) -> tuple[dict, dict, dict]:
+        """(manifests by model id, each URL's candidates, each swarm's opener), as ``statedir`` writes them."""
+        urls = {u: [{"model_id": c.model_id, "source": c.source, "operator": c.operator, "confirmed": c.confirmed}
+                    for c in cs] for u, cs in self.urls.items()}
+        opened = {m: {"source": c.source, "operator": c.operator} for m, c in self.opened.items()}
+        return {m: s.endpoint.manifest for m, s in self.swarms.items()}, urls, opened
+
+    def restore(self, manifests: dict[str, Manifest], urls: dict[str, list[dict]], opened: dict[str, dict]) -> None:
+        """Open the swarm of each kept manifest (checked already, at most ``max_swarms``) and bind its URLs."""
+        for mid, manifest in list(manifests.items())[:self.max_swarms]:
+            who = opened.get(mid, {"source": "state", "operator": False})
+            self.swarms[mid], self.opened[mid] = self._swarm(manifest), Candidate(mid, who["source"], who["operator"])
+        for url, cands in urls.items():
+            kept = [Candidate(c["model_id"], c["source"], c["operator"], c["confirmed"]) for c in cands
+                    if c["model_id"] in self.swarms]
+            if kept:
+                self.urls[url] = kept
+        if self.swarms:
+            log.info("%d models and %d URLs kept from the state folder: their swarms are open", len(self.swarms),
+                     len(self.urls))
+
     # ----- members -----------------------------------------------------------
 
     def hello(self, ident: bytes, f: dict) -> bool:
@@ -295,8 +329,8 @@ class Registry:
         if f.get("pulls") is False:
             s.tracker.pulls_nothing(rank)
         if f.get("origin") is True:  # a reader of the origin joined: every URL naming this model confirms it
-            for c in (c for cs in self.urls.values() for c in cs if c.model_id == mid):
-                c.confirmed = True
+            for c in (c for cs in self.urls.values() for c in cs if c.model_id == mid and not c.confirmed):
+                c.confirmed = self.dirty = True
             s.shares.register(rank)
             s.tracker.add_reader(rank)
             s.endpoint._announce()

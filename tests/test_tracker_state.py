@@ -1,0 +1,106 @@
+"""A standalone tracker's restart: ``--state-dir`` keeps its manifests and URL bindings, and members come back once.
+
+Real ``p2pw tracker``, ``p2pw manifest`` and ``p2pw get`` processes on loopback, the origin a local directory;
+assertions are on exit codes, bytes, files and counted log lines, never on time.  Every process is ended by
+PID in teardown (``procs``), pass or fail.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+from conftest import same_tree
+from test_fleet_get import get, publish, published_id, start_tracker
+from p2pweights.origin import lookup
+from p2pweights.sources.manifest import Manifest
+
+pytestmark = pytest.mark.timeout(240) if hasattr(pytest.mark, "timeout") else []
+
+
+def tracker(procs, tmp_path, port=0, name="tracker", *extra):
+    ready = tmp_path / f"{name}.ready"
+    p = procs.start("tracker", "--port", port, "--host", "127.0.0.1", "--ready", ready, *extra)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert p.popen.poll() is None and time.monotonic() < deadline, f"tracker did not start:\n{p.output()}"
+        time.sleep(0.05)
+    return p, json.loads(ready.read_text())["port"]
+
+
+def kill(p) -> None:
+    os.kill(p.pid, signal.SIGKILL)
+    p.popen.wait(10)
+
+
+def test_a_restarted_tracker_with_a_state_dir_serves_a_model_nobody_holds(procs, tmp_path, model_dir):
+    state = tmp_path / "state"
+    t, port = tracker(procs, tmp_path, 0, "t1", "--state-dir", state)
+    mid = published_id(publish(port, model_dir))  # the publisher has gone: only the tracker knows the manifest
+    kill(t)
+    t2, _ = tracker(procs, tmp_path, port, "t2", "--state-dir", state)
+    assert "1 models and 1 URLs kept from the state folder" in t2.output()
+    g = get(procs, model_dir, port, tmp_path / "out", "--connect-timeout", "2")  # no wait for a publish
+    assert g.wait(120) == 0, g.output()
+    assert same_tree(model_dir, tmp_path / "out") == []
+    assert json.loads(open(f"{tmp_path / 'out'}.json").read())["model_id"] == mid
+    # the same get against a restarted tracker that kept nothing finds no manifest
+    kill(t2)
+    t3, _ = tracker(procs, tmp_path, port, "t3")
+    g = get(procs, model_dir, port, tmp_path / "out2", "--connect-timeout", "2")
+    assert g.wait(120) == 1 and "no manifest published" in g.output()
+
+
+def test_a_hostile_state_dir_costs_one_line_a_file_and_the_tracker_starts(procs, tmp_path, model_dir):
+    state = tmp_path / "state"
+    t, port = tracker(procs, tmp_path, 0, "t1", "--state-dir", state)
+    mid = published_id(publish(port, model_dir))
+    kill(t)
+    good = (state / f"{mid}.manifest").read_bytes()
+    other = Manifest.from_wire(good).body()
+    other["chunk_size"] = other["chunk_size"] * 2
+    (state / ("0" * 64 + ".manifest")).write_bytes(good)  # another model's bytes under this name
+    (state / ("1" * 64 + ".manifest")).write_text(json.dumps(other))  # not its own id's bytes either
+    (state / ("2" * 64 + ".manifest")).symlink_to(state / f"{mid}.manifest")
+    (state / ("3" * 64 + ".manifest")).write_bytes(good[:len(good) // 2])  # truncated
+    bindings = (state / "bindings.json").read_text()
+    t2, _ = tracker(procs, tmp_path, port, "t2", "--state-dir", state)
+    for bad in ("0", "1", "2", "3"):
+        assert len([ln for ln in t2.output().splitlines() if f"{bad * 64}.manifest skipped" in ln]) == 1
+    assert "a symlink" in t2.output()
+    assert lookup(f"127.0.0.1:{port}", str(model_dir)).model_id == mid  # the good one is served
+    kill(t2)
+    (state / "bindings.json").write_text(bindings[:len(bindings) // 2])  # truncated JSON
+    t3, _ = tracker(procs, tmp_path, port, "t3", "--state-dir", state)
+    assert len([ln for ln in t3.output().splitlines() if "bindings.json skipped" in ln]) == 1
+    assert lookup(f"127.0.0.1:{port}", mid).model_id == mid  # by id, its URL binding lost
+    assert t3.popen.poll() is None
+
+
+def test_members_through_a_tracker_restart_introduce_themselves_once(procs, tmp_path, model_dir):
+    t, port = tracker(procs, tmp_path, 0, "t1")
+    publish(port, model_dir)
+    gets = [get(procs, model_dir, port, tmp_path / f"g{k}", "--stay") for k in range(3)]
+    for k in range(3):
+        marker = tmp_path / f"g{k}" / ".p2pw"
+        deadline = time.monotonic() + 120
+        while not (marker.exists() and any(n.startswith("complete") for n in os.listdir(marker))):
+            assert gets[k].popen.poll() is None and time.monotonic() < deadline, gets[k].output()
+            time.sleep(0.1)
+    kill(t)
+    time.sleep(16)  # past the members' tracker timeout (10 s): each tries to introduce itself again meanwhile
+    t2, _ = tracker(procs, tmp_path, port, "t2")
+    t2.wait_line(r"joined as rank", 60)
+    time.sleep(6)  # what each member queued while the tracker was away arrives in this time
+    joins = Counter(m.group(1) for ln in t2.output().splitlines() if (m := re.search(r"peer (\S+) joined as", ln)))
+    assert len(joins) == 3 and set(joins.values()) == {1}, t2.output()
+    assert "unexpected" not in t2.output(), t2.output()
+    for g in gets:
+        assert g.popen.poll() is None
+        back = [ln for ln in g.output().splitlines() if "introducing ourselves again" in ln]
+        assert len(back) == 1, g.output()
