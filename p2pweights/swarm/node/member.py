@@ -6,6 +6,13 @@ delivers, ORPHAN for a planned source it gave up, DONE, LEAVE until the
 tracker lets it go, a new HELLO when the tracker went quiet (it may
 have restarted), and, when nothing arrives from anyone, a line every
 ``WAIT_REPORT`` seconds and the end of the download after ``give_up_after``.
+
+While its link to the tracker is down (a socket monitor says so) a member
+sends it nothing: what a DEALER queues meanwhile reaches a restarted tracker
+all at once (seven HELLOs each, and a stray READ or HEARTBEAT a second, after
+a 16 s outage).  ``Reintroduction`` decides when it says HELLO again: once
+when the link comes back or the tracker went silent, then only if no WELCOME
+came within a patience that doubles.
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ import struct
 
 import zmq
 
-from ...wire import protocol
+from ...wire import keys, protocol
 from ..policy.backtosource import tracker_away
 from .partners import BYE_LINGER_MS, send_nowait
 from ...wire.protocol import CLIENT_TRANSITIONS, Connection, Msg
@@ -28,8 +35,52 @@ WAIT_REPORT = 10.0  # seconds between "waiting for ..." lines when nothing arriv
 MAX_PROBE = 4 << 20  # most bytes a WELCOME may ask us to send as a probe (the probe sink's limit)
 TIMED = struct.Struct("<ddd")  # the inbox's b"uplink": a probe's rate (bytes/s), seconds sending, seconds from its
 #                               start to its last byte acknowledged (empty: it failed)
+HELLO_PATIENCE = 5.0  # seconds an unanswered re-introduction waits before the next (doubling, to HELLO_PATIENCE_MAX)
+HELLO_PATIENCE_MAX = 60.0
+LINK_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 PROBE_HOLD = 0.25  # seconds a joiner that has sent nothing yet holds its uploads while its probe runs (a quarter
 #                    of 400 Mbit/s takes 70-76 ms): forwarding beside it, early joiners' probes read 19-22 MB/s
+
+
+class Reintroduction:
+    """When a member says HELLO again to its tracker (pure; the times are given).  Rules: nothing is sent while
+    the link is down (``up``); the link coming back after a drop is a HELLO at once (the tracker behind it may
+    have restarted); a silent tracker, or one that says it does not know us, is a HELLO unless one is unanswered
+    and younger than ``patience``, which doubles with each unanswered one; a WELCOME ends the round."""
+
+    def __init__(self):
+        self.up = True
+        self.sent = 0.0  # when the unanswered HELLO went (0: none is)
+        self.tries = 0  # HELLOs unanswered this round
+        self.owed = False  # the link came back after a drop, or a HELLO was due while it was down
+
+    @property
+    def patience(self) -> float:
+        return min(HELLO_PATIENCE * 2 ** max(self.tries - 1, 0), HELLO_PATIENCE_MAX)
+
+    def dropped(self) -> None:
+        self.up, self.owed = False, True
+
+    def connected(self) -> None:
+        self.up = True
+
+    def due(self, now: float, silent: bool) -> bool:
+        """Whether to send HELLO now: the link is up, and it is owed, or asked (``silent``) and not pending."""
+        if not self.up:
+            self.owed = self.owed or silent
+            return False
+        if self.owed:
+            return True
+        return silent and (not self.sent or now - self.sent >= self.patience)
+
+    def said(self, now: float) -> bool:
+        """A HELLO went: whether it is the first of this round (the one to log)."""
+        first = not self.sent
+        self.sent, self.owed, self.tries = now, False, self.tries + 1
+        return first
+
+    def welcomed(self) -> None:
+        self.sent, self.tries, self.owed = 0.0, 0, False
 
 
 class Membership:
@@ -55,11 +106,23 @@ class Membership:
         self.publishes: tuple[str, bytes] | None = None  # (origin URL, manifest): published again to a restarted
         #                                                  standalone tracker before each HELLO
         self.reads: list[int] = []  # an origin reader's chunks held since the last READ
+        self.again = Reintroduction()
+        self.monitor = socket.get_monitor_socket(LINK_EVENTS) if isinstance(socket, zmq.Socket) else None
         if self.probe_due:  # before we ask anyone for a chunk (see ``probe``)
             self.probe()
 
     def post(self, frame: bytes) -> bool:
-        return send_nowait(self.socket, frame)
+        """``frame`` to the tracker, unless the link is down (queued, it would reach a restarted tracker late)."""
+        return self.again.up and send_nowait(self.socket, frame)
+
+    def _watch_link(self) -> None:
+        """The monitor's news of the tracker link: dropped, or (back) up."""
+        while self.monitor is not None and self.monitor.poll(0, zmq.POLLIN):
+            event = keys.monitor_event(self.monitor)
+            if event == zmq.EVENT_DISCONNECTED:
+                self.again.dropped()
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.again.connected()
 
     def heartbeat(self) -> None:
         """What we hold and, of each partner, the rate it delivers while asked (``links``) and the
@@ -128,7 +191,7 @@ class Membership:
 
     def _report_reads(self) -> None:
         self.reads = list(dict.fromkeys(self.reads))  # one chunk read and published is reported once
-        while self.reads:
+        while self.reads and self.again.up and not self.hello_sent:  # held for the tracker that welcomes us
             batch, self.reads = self.reads[:protocol.MAX_REQUEST], self.reads[protocol.MAX_REQUEST:]
             self.post(protocol.control(Msg.READ, chunks=batch))
 
@@ -138,8 +201,9 @@ class Membership:
             self.report_held()
         self.probe_due = _probe_asked(probe)
         if self.hello_sent and not self.asked_plan:
-            log.warning("tracker %s is back: we are rank %d", self.addr, rank)
+            log.info("tracker %s is back: we are rank %d", self.addr, rank)
         self.hello_sent = 0.0
+        self.again.welcomed()
         self.done_reported = False  # tell the (new) tracker again
 
     def tick(self, now: float) -> None:
@@ -147,10 +211,11 @@ class Membership:
         node = self.node
         if self.probe_due:
             self.probe()
+        self._watch_link()
         self._watch_progress(now)
-        self._report_reads()
-        if now - self.heard > self.tracker_timeout and now - self.hello_sent > RETRY_INTERVAL:
+        if self.again.due(now, now - self.heard > self.tracker_timeout):
             self.reintroduce(now)
+        self._report_reads()
         for rank, (why, dead) in self.lost.items():
             self._orphan(rank, why, dead, now)
         if node.store.complete and all(ok() for ok in node.extra_done):
@@ -216,11 +281,15 @@ class Membership:
     def reintroduce(self, now: float, why: str | None = None) -> None:
         """The tracker went quiet (restarted?), or ``why``, our sources refuse us: HELLO again with our rank and
         what we hold (its WELCOME carries a new plan)."""
+        if not self.again.up or why is None and not self.again.due(now, True):  # the link is down (HELLO when it
+            return  # comes back), or one is on its way
         self.asked_plan = why is not None
+        first = self.again.said(now)
         if why is not None:
             log.info("asking tracker %s for a new plan: %s", self.addr, why)
-        elif self.hello_sent == 0.0 or now - self.hello_sent > 5 * RETRY_INTERVAL:
-            log.warning("tracker %s silent for %.0f s: introducing ourselves again", self.addr, now - self.heard)
+        elif first:
+            log.warning("tracker %s silent for %.0f s or restarted: introducing ourselves again", self.addr,
+                        now - self.heard)
         self.hello_sent = now
         if self.publishes is not None:  # a restarted standalone tracker knows no manifest: tell it ours first
             url, manifest = self.publishes
@@ -239,6 +308,9 @@ class Membership:
             sent = self.post(protocol.control(Msg.BYE, rank=self.node.rank))
         except zmq.ZMQError:
             pass
+        if self.monitor is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(0)
         self.socket.close(BYE_LINGER_MS if sent else 0)
 
 
