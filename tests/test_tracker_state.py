@@ -19,6 +19,7 @@ from conftest import same_tree
 from test_fleet_get import get, publish, published_id, start_tracker
 from p2pweights.origin import lookup
 from p2pweights.sources.manifest import Manifest
+from p2pweights.swarm.node.member import HELLO_PATIENCE, HELLO_PATIENCE_MAX, Reintroduction
 
 pytestmark = pytest.mark.timeout(240) if hasattr(pytest.mark, "timeout") else []
 
@@ -82,7 +83,8 @@ def test_a_hostile_state_dir_costs_one_line_a_file_and_the_tracker_starts(procs,
     assert t3.popen.poll() is None
 
 
-def test_members_through_a_tracker_restart_introduce_themselves_once(procs, tmp_path, model_dir):
+@pytest.mark.parametrize("outage", [3, 16])  # shorter than the members' tracker timeout (10 s), and longer
+def test_members_through_a_tracker_restart_introduce_themselves_once(procs, tmp_path, model_dir, outage):
     t, port = tracker(procs, tmp_path, 0, "t1")
     publish(port, model_dir)
     gets = [get(procs, model_dir, port, tmp_path / f"g{k}", "--stay") for k in range(3)]
@@ -93,7 +95,7 @@ def test_members_through_a_tracker_restart_introduce_themselves_once(procs, tmp_
             assert gets[k].popen.poll() is None and time.monotonic() < deadline, gets[k].output()
             time.sleep(0.1)
     kill(t)
-    time.sleep(16)  # past the members' tracker timeout (10 s): each tries to introduce itself again meanwhile
+    time.sleep(outage)  # long: each member's tracker timeout passes while the tracker is away
     t2, _ = tracker(procs, tmp_path, port, "t2")
     t2.wait_line(r"joined as rank", 60)
     time.sleep(6)  # what each member queued while the tracker was away arrives in this time
@@ -104,3 +106,36 @@ def test_members_through_a_tracker_restart_introduce_themselves_once(procs, tmp_
         assert g.popen.poll() is None
         back = [ln for ln in g.output().splitlines() if "introducing ourselves again" in ln]
         assert len(back) == 1, g.output()
+
+
+# ----- when a member says HELLO again: the rules, one at a time ------------------------------------------------
+
+def test_nothing_is_said_while_the_link_is_down_and_one_hello_when_it_comes_back():
+    again = Reintroduction()
+    again.dropped()
+    assert not again.due(20.0, silent=True) and not again.due(21.0, silent=False)
+    again.connected()
+    assert again.due(22.0, silent=False)  # back after a drop: the tracker behind it may have restarted
+    assert again.said(22.0) is True
+    assert not again.due(22.5, silent=True)
+
+
+def test_a_silent_tracker_gets_one_hello_then_more_only_past_a_doubling_patience():
+    again = Reintroduction()
+    assert not again.due(1.0, silent=False)
+    assert again.due(10.0, silent=True) and again.said(10.0) is True
+    assert not again.due(10.0 + HELLO_PATIENCE - 0.1, silent=True)
+    assert again.due(10.0 + HELLO_PATIENCE, silent=True) and again.said(15.0) is False
+    assert not again.due(15.0 + HELLO_PATIENCE, silent=True) and again.due(15.0 + 2 * HELLO_PATIENCE, silent=True)
+    for _ in range(10):
+        again.said(100.0)
+    assert again.patience == HELLO_PATIENCE_MAX
+
+
+def test_a_welcome_ends_the_round():
+    again = Reintroduction()
+    again.said(10.0)
+    again.said(15.0)
+    again.welcomed()
+    assert again.patience == HELLO_PATIENCE and not again.due(16.0, silent=False)
+    assert again.due(16.0, silent=True) and again.said(16.0) is True

@@ -94,6 +94,10 @@ class NodeCollector:
             yield GaugeMetricFamily("p2pw_peers", "peers in the fleet that have not left",
                                     value=sum(w.live for w in list(h.registry.swarms.values())))
             yield GaugeMetricFamily("p2pw_swarms", "models a standalone tracker serves", value=len(h.registry.swarms))
+            yield CounterMetricFamily("p2pw_tracker_joins", "HELLOs a standalone tracker welcomed (joins and "
+                                                            "re-introductions)", value=h.registry.joins)
+            yield CounterMetricFamily("p2pw_tracker_strays", "member reports dropped: their connection is no member "
+                                                             "here (sent before a restart)", value=h.node.strays)
             return
         st = h.node.stats
         yield CounterMetricFamily("p2pw_received_bytes", "chunk bytes received from partners",

@@ -131,6 +131,7 @@ class Registry:
         self.out: list[tuple[bytes, list]] = []
         self.probe_port = 0
         self.dirty = False  # manifests or URL bindings changed since ``kept`` was last written
+        self.joins = 0  # HELLOs welcomed: joins and re-introductions
 
     def take(self) -> list[tuple[bytes, list]]:
         out, self.out = self.out, []
@@ -324,6 +325,7 @@ class Registry:
         if not s.endpoint.hello(ident, f):
             return False
         self.conns[ident] = mid
+        self.joins += 1
         s.used = self.clock()
         rank = s.endpoint.members[ident]
         if f.get("pulls") is False:
