@@ -288,8 +288,8 @@ class Membership:
         if why is not None:
             log.info("asking tracker %s for a new plan: %s", self.addr, why)
         elif first:
-            log.warning("tracker %s silent for %.0f s or restarted: introducing ourselves again", self.addr,
-                        now - self.heard)
+            log.warning("tracker %s restarted or silent (last heard %.0f s ago): introducing ourselves again",
+                        self.addr, now - self.heard)
         self.hello_sent = now
         if self.publishes is not None:  # a restarted standalone tracker knows no manifest: tell it ours first
             url, manifest = self.publishes
