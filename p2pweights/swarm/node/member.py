@@ -17,6 +17,7 @@ came within a patience that doubles.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 
 import zmq
@@ -107,7 +108,9 @@ class Membership:
         #                                                  standalone tracker before each HELLO
         self.reads: list[int] = []  # an origin reader's chunks held since the last READ
         self.again = Reintroduction()
-        self.monitor = socket.get_monitor_socket(LINK_EVENTS) if isinstance(socket, zmq.Socket) else None
+        self.monitor = None  # an address of its own: the handshake's monitor of this socket may not be gone yet
+        if isinstance(socket, zmq.Socket):
+            self.monitor = socket.get_monitor_socket(LINK_EVENTS, f"inproc://p2pw-tracker-link-{os.urandom(6).hex()}")
         if self.probe_due:  # before we ask anyone for a chunk (see ``probe``)
             self.probe()
 
