@@ -81,6 +81,10 @@ def test_a_hostile_state_dir_costs_one_line_a_file_and_the_tracker_starts(procs,
     assert len([ln for ln in t3.output().splitlines() if "bindings.json skipped" in ln]) == 1
     assert lookup(f"127.0.0.1:{port}", mid).model_id == mid  # by id, its URL binding lost
     assert t3.popen.poll() is None
+    (tmp_path / "a-file").write_text("")
+    bad = procs.start("tracker", "--port", 0, "--host", "127.0.0.1", "--state-dir", tmp_path / "a-file")
+    assert bad.wait(60) == 1
+    assert bad.output().splitlines()[-1] == f"p2pw: error: --state-dir {tmp_path / 'a-file'}: not a folder"
 
 
 @pytest.mark.parametrize("outage", [3, 16])  # shorter than the members' tracker timeout (10 s), and longer

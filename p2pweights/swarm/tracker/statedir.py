@@ -45,7 +45,10 @@ class TrackerState:
 
     def __init__(self, path: str, max_swarms: int):
         self.path, self.max_swarms = os.path.abspath(path), max_swarms
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except FileExistsError:
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder") from None
         self.written: set[str] = set()  # model ids whose manifest file is on disk
 
     # ----- reading: hostile ---------------------------------------------------
