@@ -34,6 +34,11 @@ def tracker(procs, tmp_path, port=0, name="tracker", *extra):
     return p, json.loads(ready.read_text())["port"]
 
 
+def joined(t) -> Counter:
+    """Each peer id's joins in tracker ``t``'s log."""
+    return Counter(m.group(1) for ln in t.output().splitlines() if (m := re.search(r"peer (\S+) joined as", ln)))
+
+
 def kill(p) -> None:
     os.kill(p.pid, signal.SIGKILL)
     p.popen.wait(10)
@@ -143,3 +148,34 @@ def test_a_welcome_ends_the_round():
     again.welcomed()
     assert again.patience == HELLO_PATIENCE and not again.due(16.0, silent=False)
     assert again.due(16.0, silent=True) and again.said(16.0) is True
+
+
+def test_agents_and_a_seeder_through_a_tracker_restart_introduce_themselves_once(procs, tmp_path):
+    from test_agent import agent, model, seeder, status, until
+
+    t, port = tracker(procs, tmp_path, 0, "t1")
+    path = model(tmp_path, "m")
+    _, mid = seeder(procs, tmp_path, path, port)
+    prewarm = tmp_path / "prewarm"
+    prewarm.write_text(mid + "\n")
+    caches = [tmp_path / f"cache{k}" for k in range(3)]
+    agents = [agent(procs, tmp_path, port, c, "--no-origin", "--prewarm", prewarm) for c in caches]
+    for a, c in zip(agents, caches):
+        until(lambda: status(c).get(mid, {}).get("state") == "ready", proc=a)
+    kill(t)
+    time.sleep(16)
+    t2, _ = tracker(procs, tmp_path, port, "t2")
+    until(lambda: len(joined(t2)) == 4, 60)  # the agents know no URL: they join once the seeder has re-published
+    time.sleep(6)
+    joins = joined(t2)
+    assert len(joins) == 4 and set(joins.values()) == {1}, t2.output() + "\n".join(a.output() for a in agents)
+    assert "unexpected" not in t2.output(), t2.output()
+    for a, c in zip(agents, caches):
+        assert a.popen.poll() is None and status(c)[mid]["state"] == "ready"
+
+
+def test_a_hello_answered_with_an_error_is_repeated_once_the_patience_passes():
+    again = Reintroduction()
+    again.said(10.0)  # the tracker answered: no swarm for the model (not published again yet)
+    assert not again.due(10.0 + HELLO_PATIENCE - 0.1, silent=False)
+    assert again.due(10.0 + HELLO_PATIENCE, silent=False)

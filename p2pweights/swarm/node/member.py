@@ -46,8 +46,9 @@ PROBE_HOLD = 0.25  # seconds a joiner that has sent nothing yet holds its upload
 class Reintroduction:
     """When a member says HELLO again to its tracker (pure; the times are given).  Rules: nothing is sent while
     the link is down (``up``); the link coming back after a drop is a HELLO at once (the tracker behind it may
-    have restarted); a silent tracker, or one that says it does not know us, is a HELLO unless one is unanswered
-    and younger than ``patience``, which doubles with each unanswered one; a WELCOME ends the round."""
+    have restarted); a silent tracker, or one that says it does not know us, is a HELLO; a HELLO no WELCOME
+    answered (an ERROR is no answer: the swarm may not be published again yet) is repeated once ``patience``
+    passes, which doubles with each; a WELCOME ends the round."""
 
     def __init__(self):
         self.up = True
@@ -66,13 +67,14 @@ class Reintroduction:
         self.up = True
 
     def due(self, now: float, silent: bool) -> bool:
-        """Whether to send HELLO now: the link is up, and it is owed, or asked (``silent``) and not pending."""
+        """Whether to send HELLO now: the link is up, and it is owed, or asked (``silent``) with none pending, or
+        the pending one is older than ``patience``."""
         if not self.up:
             self.owed = self.owed or silent
             return False
         if self.owed:
             return True
-        return silent and (not self.sent or now - self.sent >= self.patience)
+        return now - self.sent >= self.patience if self.sent else silent
 
     def said(self, now: float) -> bool:
         """A HELLO went: whether it is the first of this round (the one to log)."""
