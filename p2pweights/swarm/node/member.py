@@ -31,14 +31,14 @@ from .uplink import probe_in_background, split_host_port
 log = logging.getLogger("p2pw")
 
 LEAVE_POLL = 1.0  # seconds between LEAVEs while told to wait (the tracker sends LEAVE_OK the moment we may go)
-RETRY_INTERVAL = 1.0  # ORPHAN / HELLO resend while waiting for the tracker
+RETRY_INTERVAL = 1.0  # ORPHAN resend while waiting for the tracker
 WAIT_REPORT = 10.0  # seconds between "waiting for ..." lines when nothing arrives
 MAX_PROBE = 4 << 20  # most bytes a WELCOME may ask us to send as a probe (the probe sink's limit)
 TIMED = struct.Struct("<ddd")  # the inbox's b"uplink": a probe's rate (bytes/s), seconds sending, seconds from its
 #                               start to its last byte acknowledged (empty: it failed)
 HELLO_PATIENCE = 5.0  # seconds an unanswered re-introduction waits before the next (doubling, to HELLO_PATIENCE_MAX)
 HELLO_PATIENCE_MAX = 60.0
-LINK_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+LINK_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 PROBE_HOLD = 0.25  # seconds a joiner that has sent nothing yet holds its uploads while its probe runs (a quarter
 #                    of 400 Mbit/s takes 70-76 ms): forwarding beside it, early joiners' probes read 19-22 MB/s
 
@@ -126,7 +126,7 @@ class Membership:
             event = keys.monitor_event(self.monitor)
             if event == zmq.EVENT_DISCONNECTED:
                 self.again.dropped()
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):  # what we send now is delivered
                 self.again.connected()
 
     def heartbeat(self) -> None:
