@@ -179,3 +179,38 @@ def test_a_hello_answered_with_an_error_is_repeated_once_the_patience_passes():
     again.said(10.0)  # the tracker answered: no swarm for the model (not published again yet)
     assert not again.due(10.0 + HELLO_PATIENCE - 0.1, silent=False)
     assert again.due(10.0 + HELLO_PATIENCE, silent=False)
+
+
+# ----- the state folder's contents, without processes -------------------------------------------------------------
+
+def test_every_candidate_its_publisher_and_confirmation_survive_a_restart(tmp_path):
+    from test_shares import manifest
+    from p2pweights.swarm.tracker.registry import Registry
+    from p2pweights.swarm.tracker.statedir import TrackerState
+    from p2pweights.swarm.tracker.topology import make
+
+    def registry():
+        return Registry(lambda n: make("forest:2"), clock=lambda: 0.0)
+
+    a, b, c = manifest(8, 1), manifest(8, 2), manifest(8, 3)
+    reg = registry()
+    reg.publish(b"p1", {"url": "s3://b/m"}, a.wire_bytes(), "10.0.0.1")
+    reg.publish(b"p2", {"url": "s3://b/m"}, b.wire_bytes(), "10.0.0.2", operator=True)
+    reg.publish(b"p3", {"url": "s3://b/other"}, c.wire_bytes(), "10.0.0.3")
+    reg.hello(b"r", {"peer_id": "r", "listen": "127.0.0.1:9", "model_id": a.model_id, "origin": True})
+    assert reg.dirty
+    state = TrackerState(tmp_path / "state", 256)
+    state.save(*reg.kept())
+    back = registry()
+    kept = TrackerState(tmp_path / "state", 256).load()
+    assert kept.skipped == 0
+    back.restore(kept.manifests, kept.urls, kept.opened)
+    assert [(x.model_id, x.source, x.operator, x.confirmed) for x in back.candidates("s3://b/m")] == [
+        (a.model_id, "10.0.0.1", False, True), (b.model_id, "10.0.0.2", True, False)]
+    assert back.opened[c.model_id].source == "10.0.0.3" and set(back.swarms) == {a.model_id, b.model_id, c.model_id}
+    assert not back.dirty  # what was read is not written back
+    # a swarm evicted is gone from the folder too
+    del reg.swarms[c.model_id], reg.opened[c.model_id], reg.urls["s3://b/other"]
+    state.save(*reg.kept())
+    assert not (tmp_path / "state" / f"{c.model_id}.manifest").exists()
+    assert set(TrackerState(tmp_path / "state", 256).load().manifests) == {a.model_id, b.model_id}
