@@ -253,7 +253,7 @@ def open_source(url: str, manifest: Manifest, s3_concurrency: int = 16, s3_range
     ``strict`` (a manifest from the tracker, not pinned by id): where the origin is readable but ``manifest``
     does not describe it (a size, an ETag missing or not equal, a path's first or last chunk not its hash),
     Mismatch is raised instead."""
-    from .sources.objstore import is_s3
+    from .sources.remote import is_remote
     from .sources.source import BlobSource
 
     def mismatch(e: Exception):
@@ -262,10 +262,10 @@ def open_source(url: str, manifest: Manifest, s3_concurrency: int = 16, s3_range
         return _unread(url, e)
 
     try:
-        if is_s3(url):
-            from .sources.objstore import S3Checkpoint
+        if is_remote(url):
+            from .sources.remote import checkpoint
 
-            ckpt = S3Checkpoint(url, s3_concurrency, s3_range_size)
+            ckpt = checkpoint(url, s3_concurrency, s3_range_size)
             try:
                 ckpt.check(manifest, "the published manifest", etags=strict)
             except UserError as e:  # ObjectStoreError: not these objects

@@ -130,10 +130,10 @@ def cmd_pack(args) -> int:
 def cmd_manifest(args) -> int:
     from ..sources.chunker import build
 
-    if args.path.startswith("s3://"):
-        from ..sources.objstore import S3Checkpoint
+    from ..sources.remote import checkpoint, is_remote
 
-        m, _, _ = S3Checkpoint(args.path, args.s3_concurrency, args.s3_range_size).build(args.chunk_size)
+    if is_remote(args.path):
+        m, _, _ = checkpoint(args.path, args.s3_concurrency, args.s3_range_size).build(args.chunk_size)
     else:
         m, _, _ = build(args.path, args.chunk_size, exclude=args.exclude)
     if args.tracker:

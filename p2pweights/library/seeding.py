@@ -10,6 +10,7 @@ import zmq
 from ..errors import P2PError
 from ..sources.formats import checkpoint_files, scan as scan_checkpoint
 from ..sources.manifest import Manifest, read_manifest
+from ..sources.remote import is_remote
 from ..sources.source import BlobSource, sending_read_bytes
 from ..storage import catalog, hfcache
 from ..storage.modelcache import ModelCache
@@ -46,21 +47,21 @@ class Seeder:
             self.path, origin = hfcache.resolve(self.path)
         path = self.path
         # a hub cache snapshot: record its repo, commit and etags
-        snapshot = None if self.path.startswith("s3://") else hfcache.snapshot_of(path)
+        snapshot = None if is_remote(self.path) else hfcache.snapshot_of(path)
         if snapshot is not None:
             origin = dict(snapshot[0], **(origin or {}))
             etags = snapshot[1]
         self.exclude = tuple(exclude)
         # entries not served (SKIPPED_DIRS, ``exclude``); an object store's listing skips them silently
-        self.skipped = [] if self.path.startswith("s3://") else scan_checkpoint(path, self.exclude).skipped
+        self.skipped = [] if is_remote(self.path) else scan_checkpoint(path, self.exclude).skipped
         self.key = key
         self.topology = make_topology(topology)  # a bad name fails before the scan
         t0 = time.monotonic()
         self.source = self.s3 = None
-        if self.path.startswith("s3://"):  # an object store: boto3 is imported only here
-            from ..sources.objstore import S3Checkpoint
+        if is_remote(self.path):  # an object store, a web server: its client is imported only here
+            from ..sources.remote import checkpoint
 
-            self.s3 = S3Checkpoint(self.path, s3_concurrency, s3_range_size)
+            self.s3 = checkpoint(self.path, s3_concurrency, s3_range_size)
             known = self.s3.check(read_manifest(manifest), manifest) if manifest else None
             scan, open_source = self.s3.build, self.s3.source
         else:
