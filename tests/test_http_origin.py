@@ -141,3 +141,18 @@ def test_a_file_changed_since_the_manifest_is_refused(procs, tmp_path, model_dir
         HttpCheckpoint(nginx.url, 4, 1 << 20).check(m, "the manifest")
     src.close()
     assert bytes(view) == bytes(len(view))  # nothing of the new bytes written
+
+
+def test_a_host_refuses_a_published_manifest_of_a_file_changed_since(procs, tmp_path, model_dir, nginx):
+    _, port = start_tracker(procs, tmp_path)
+    publish(port, nginx.url)
+    name = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))[0]
+    data = bytearray((model_dir / name).read_bytes())
+    data[-1] ^= 0xFF
+    time.sleep(1.1)  # nginx's ETag is mtime-size: the next second's write changes it
+    (model_dir / name).write_bytes(bytes(data))
+    p = get(procs, nginx.url, port, tmp_path / "h")
+    assert p.wait(120) == 1, p.output()
+    errors = [line for line in p.output().splitlines() if line.startswith("p2pw: error:")]
+    assert len(errors) == 1 and "describes the origin" in errors[0], p.output()
+    assert not os.path.exists(tmp_path / "h" / name)
