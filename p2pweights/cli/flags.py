@@ -78,9 +78,9 @@ def output_path(text: str) -> str:
 def s3_flags(p) -> None:
     """Flags for an s3://BUCKET/PREFIX source (credentials and endpoint come from the AWS environment)."""
     p.add_argument("--s3-concurrency", type=positive, default=16, metavar="N",
-                   help="s3:// sources: ranged GETs in flight (default 16)")
+                   help="s3:// and http(s):// sources: ranged GETs in flight (default 16)")
     p.add_argument("--s3-range-size", type=size, default=8 << 20, metavar="SIZE",
-                   help="s3:// sources: bytes per ranged GET (default 8MiB)")
+                   help="s3:// and http(s):// sources: bytes per ranged GET (default 8MiB)")
 
 
 def limit_flags(p) -> None:

@@ -139,7 +139,9 @@ def join_parser(sub) -> None:
 def get_parser(sub) -> None:
     g = sub.add_parser("get", help="download a model from its origin's swarm at a standalone tracker, reading "
                                    "a share of the origin where this host can")
-    g.add_argument("url", metavar="URL|MODEL_ID", help="the origin: s3://BUCKET/PREFIX, a path every host sees, or "
+    g.add_argument("url", metavar="URL|MODEL_ID", help="the origin: s3://BUCKET/PREFIX, "
+                   "http(s)://HOST/PATH (a file, or a folder ending in / its server lists as JSON), a path every host "
+                   "sees, or "
                    "ORG/NAME[@REVISION] in the local Hugging Face cache (as published to the tracker); with --agent, "
                    "also a model id")
     g.add_argument("--tracker", metavar="HOST[:PORT]", help="the standalone tracker (p2pw tracker)")

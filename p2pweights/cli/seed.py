@@ -159,6 +159,7 @@ def seed_parser(sub) -> None:
 
     s = sub.add_parser("seed", help="serve a checkpoint (file or directory) and run the tracker")
     s.add_argument("path", help="checkpoint file or directory, s3://BUCKET/PREFIX (pip install 'p2pweights[s3]'), "
+                                "http(s)://HOST/PATH (a file, or a folder ending in / listed as JSON), "
                                 "or ORG/NAME[@REVISION]: a snapshot in the local Hugging Face cache (HF_HUB_CACHE, "
                                 "else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
     s.add_argument("--port", type=port, default=7420)

@@ -202,18 +202,20 @@ class HttpCheckpoint(S3Checkpoint):
         self.url = url
         self.concurrency, self.range_size = concurrency, range_size
         self.s3 = Http(url, retry)
-        path = urllib.parse.urlsplit(url).path or "/"
-        objects = [(name, p) + self.s3.head(p) for name, p in self._listing(path)]
+        u = urllib.parse.urlsplit(url)
+        path, query = u.path or "/", f"?{u.query}" if u.query else ""
+        objects = [(name, p) + self.s3.head(p) for name, p in self._listing(path, query)]
         self.keys = {name: p for name, p, _, _ in objects}
         etags = {name: etag for name, _, _, etag in objects}
         files, self.total = formats.blob_files([(name, size) for name, _, size, _ in objects])
         self.files = [dict(f, etag=etags[f["name"]]) for f in files]
 
-    def _listing(self, path: str) -> list[tuple[str, str]]:
-        """``(name, path)`` of the file ``path`` names, or of each plain file in the folder's JSON listing."""
+    def _listing(self, path: str, query: str = "") -> list[tuple[str, str]]:
+        """``(name, path)`` of the file ``path`` names (its ``query`` kept), or of each plain file in the
+        folder's JSON listing."""
         if not path.endswith("/"):
-            return [(urllib.parse.unquote(path.rsplit("/", 1)[-1]), path)]
-        r, body = self.s3.request("GET", path)
+            return [(urllib.parse.unquote(path.rsplit("/", 1)[-1]), path + query)]
+        r, body = self.s3.request("GET", path + query)
         try:
             entries = json.loads(body)
             names = [e["name"] for e in entries if isinstance(e, dict) and e.get("type") == "file"]
