@@ -156,3 +156,17 @@ def test_a_host_refuses_a_published_manifest_of_a_file_changed_since(procs, tmp_
     errors = [line for line in p.output().splitlines() if line.startswith("p2pw: error:")]
     assert len(errors) == 1 and "describes the origin" in errors[0], p.output()
     assert not os.path.exists(tmp_path / "h" / name)
+
+
+def test_a_seeder_serves_an_http_folder_with_each_file_s_validator(model_dir, nginx):
+    from p2pweights.api import seed
+    from p2pweights.sources.chunker import build
+
+    s = seed(nginx.url, port=0, host="127.0.0.1")
+    try:
+        local, _, _ = build(str(model_dir), s.manifest.chunk_size)
+        assert s.manifest.chunks == local.chunks and [f["name"] for f in s.manifest.files] == [
+            f["name"] for f in local.files]
+        assert all(f.get("etag") for f in s.manifest.files)
+    finally:
+        s.close()
