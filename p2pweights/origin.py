@@ -22,7 +22,7 @@ import time
 import zmq
 
 from .errors import P2PError, UserError
-from .sources.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
+from .sources.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, check_model_id
 from .wire import keys, protocol
 from .wire.context import node_context
 from .wire.protocol import Msg, ProtocolError
@@ -207,8 +207,8 @@ def trusted(tracker: str, url: str, key=None, *, wait: float = 30.0, published: 
     if opener is None:
         def opener(m: Manifest, strict: bool):
             return open_source(url, m, strict=strict, **reading)
-    if model_id is not None and not protocol.is_model_id_prefix(model_id):
-        raise P2PError(f"--model-id {model_id[:80]}: give the model id (64 hex digits, or at least the first 16)")
+    if model_id is not None:
+        model_id = check_model_id(model_id)
     pinned = published is not None or model_id is not None or protocol.is_model_id(url)
     m, fields = _found(tracker, url, key, wait, published, model_id)
     if pinned:

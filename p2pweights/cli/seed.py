@@ -133,9 +133,9 @@ def cmd_manifest(args) -> int:
     from ..sources.remote import checkpoint, is_remote
 
     if is_remote(args.path):
-        m, _, _ = checkpoint(args.path, args.s3_concurrency, args.s3_range_size).build(args.chunk_size)
+        m, _, _ = checkpoint(args.path, args.s3_concurrency, args.s3_range_size).build(args.chunk_size, args.hash)
     else:
-        m, _, _ = build(args.path, args.chunk_size, exclude=args.exclude)
+        m, _, _ = build(args.path, args.chunk_size, args.hash, exclude=args.exclude)
     if args.tracker:
         from ..origin import publish
 
@@ -207,11 +207,16 @@ def seed_parser(sub) -> None:
 
 
 def manifest_parser(sub) -> None:
+    from ..sources.manifest import HASH_NAMES
+
     m = sub.add_parser("manifest", help="print (or write) the manifest of a checkpoint")
     m.add_argument("path")
     m.add_argument("--chunk-size", type=size, default=None,
                    help=CHUNK_SIZE_HELP)
     m.add_argument("-o", "--output")
+    m.add_argument("--hash", default="xxh3_64", choices=HASH_NAMES,
+                   help="chunk hash (as p2pw seed --hash): sha256 for a manifest published to a fleet, so no "
+                        "member holding the fleet key can forge chunks; xxh3_64 (default) catches corruption only")
     m.add_argument("--tracker", metavar="HOST[:PORT]",
                    help="publish it to this standalone tracker (p2pw tracker), for p2pw get PATH --tracker")
     m.add_argument("--key", metavar="DIR", help="fleet key directory, when the tracker's links are keyed")

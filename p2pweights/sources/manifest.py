@@ -88,7 +88,7 @@ def check_model_id(text: str) -> str:
     """A pinned model id (the full id or a prefix of at least MIN_MODEL_ID hex digits), lower-cased."""
     text = text.strip().lower()
     if len(text) < MIN_MODEL_ID or len(text) > 64 or any(c not in "0123456789abcdef" for c in text):
-        raise ManifestError(f"bad model id {text!r}: give the id p2pw seed printed "
+        raise ManifestError(f"bad model id {text[:80]!r}: give the id p2pw seed printed "
                             f"(64 hex digits, or at least its first {MIN_MODEL_ID})")
     return text
 

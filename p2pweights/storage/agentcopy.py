@@ -16,6 +16,7 @@ import shutil
 import time
 
 from ..errors import P2PError
+from ..sources.manifest import check_model_id
 from ..wire import local
 from .cache import copy_paths
 from .localcopy import Attached, WriterGone, attach, complete_copy, writer_active
@@ -31,6 +32,8 @@ def through_agent(agent: str, model: str, model_id: str | None = None, device: s
     """Ask the agent at ``agent`` for ``model`` (a URL or a model id) and attach to its copy.  While the agent is
     away, or its copy's writer stopped short (an agent restarting resumes it), asked again with backoff for up to
     ``wait`` seconds; ``timeout``: seconds for each answer (``local.ask``)."""
+    if model_id is not None:
+        model_id = check_model_id(model_id)
     deadline, tries = time.monotonic() + wait, 0
     while True:
         answer = local.ask_until(agent, {"op": "get", "model": model}, max(deadline - time.monotonic(), 0.0),
