@@ -363,10 +363,10 @@ class Tracking:
 
     def __init__(self, *, port: int = 7420, host: str = "0.0.0.0", key=None, topology: str = "forest:2",
                  advertise: str | None = None, max_peers: int = 10_000, member_timeout: float | None = None,
-                 probe_port: int = 0, max_per_host: int | None = None, publish_from: str | None = None,
+                 probe_port: int | None = None, max_per_host: int | None = None, publish_from: str | None = None,
                  state_dir: str | None = None):
         from .library.handshake import parse_addr
-        from .swarm.node.uplink import probe_sink
+        from .swarm.node.uplink import probe_port_for, probe_sink
         from .swarm.node.node import bind_router
         from .swarm.tracker.registry import Registry
         from .swarm.tracker.topology import make
@@ -394,7 +394,7 @@ class Tracking:
             self.gate and self.gate.stop()
             self.ctx.term()
             raise
-        self.probe_sink = probe_sink(host, probe_port)
+        self.probe_sink = probe_sink(host, probe_port_for(port, probe_port))
         root = "%s:%d" % parse_addr(advertise, self.port) if advertise else ""
         self.registry = Registry(lambda n: make(topology), root_listen=root, keyed=key is not None,
                                  member_timeout=member_timeout, max_peers=max_peers)

@@ -1,10 +1,13 @@
-"""Integrity defaults an operator relies on, with real ``p2pw`` processes: a published manifest's chunk hash
-is the one asked for, and a pinned model id shorter than 16 hex digits is one error line.  Assertions are on
+"""Fixed ports and integrity defaults an operator relies on, with real ``p2pw`` processes: the uplink probe
+sink on its documented port (--port + 2), a published manifest's chunk hash the one asked for, and a pinned
+model id shorter than 16 hex digits one error line.  Assertions are on
 files, exit codes and counts; the ``procs`` fixture ends every process it started."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
+import time
 
 import pytest
 
@@ -12,6 +15,52 @@ from conftest import ROOT, p2pw_argv, same_tree
 from test_fleet_get import CHUNK, get, report, start_tracker
 
 pytestmark = pytest.mark.timeout(240) if hasattr(pytest.mark, "timeout") else []
+
+
+def port_pair() -> int:
+    """A loopback port P with P + 2 free too (where the probe sink goes by default)."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", p + 2))
+            except OSError:
+                continue
+            return p
+    raise AssertionError("no two free ports two apart")
+
+
+def listening(port: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def test_the_tracker_s_probe_sink_is_on_its_port_plus_2_by_default(procs, tmp_path):
+    p = port_pair()
+    _, port = start_tracker(procs, tmp_path, port=p)
+    assert port == p and listening(p + 2)
+
+
+def test_the_seeder_s_probe_sink_is_on_its_port_plus_2_by_default(procs, tmp_path, model_dir):
+    p = port_pair()
+    seeder = procs.start("seed", model_dir, "--port", p, "--host", "127.0.0.1", "--chunk-size", CHUNK)
+    seeder.wait_line("model id")
+    assert listening(p + 2), seeder.output()
+
+
+def test_probe_port_0_still_means_any_free_one(procs, tmp_path):
+    p = port_pair()
+    tracker = procs.start("tracker", "--port", p, "--host", "127.0.0.1", "--probe-port", 0)
+    assert listening(p), tracker.output()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", p + 2))  # left free
 
 
 def test_manifest_hash_sha256_is_published_and_a_get_of_it_verifies(procs, tmp_path, model_dir):

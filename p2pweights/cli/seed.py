@@ -165,9 +165,10 @@ def seed_parser(sub) -> None:
     s.add_argument("--port", type=port, default=7420)
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--advertise", help="address peers should use to reach this host (default: the one they used)")
-    s.add_argument("--probe-port", type=port, default=0, metavar="PORT",
-                   help="TCP port joiners time their uplink against as they join (default: any free one; a "
-                        "firewall that lets only --port through leaves slow hosts to be found by their rates)")
+    s.add_argument("--probe-port", type=port, default=None, metavar="PORT",
+                   help="TCP port joiners time their uplink against as they join (default: --port + 2, 7422; 0: "
+                        "any free one; a firewall that lets only --port through leaves slow hosts to be found by "
+                        "their rates)")
     s.add_argument("--chunk-size", type=size, default=None,
                    help=CHUNK_SIZE_HELP)
     s.add_argument("--topology", default=None, metavar="PLAN",

@@ -34,8 +34,8 @@ def tracker_parser(sub) -> None:
     t.add_argument("--advertise", help="HOST[:PORT] peers reach this tracker at (default: the one they used)")
     t.add_argument("--topology", default="forest:2", metavar="PLAN", help="the plan of every swarm: forest:K "
                                                                          "(default forest:2)")
-    t.add_argument("--probe-port", type=port, default=0, metavar="PORT",
-                   help="TCP port joiners time their uplink against (default: any free one)")
+    t.add_argument("--probe-port", type=port, default=None, metavar="PORT",
+                   help="TCP port joiners time their uplink against (default: --port + 2, 7422; 0: any free one)")
     t.add_argument("--max-peers", type=positive, default=10_000, help="refuse joiners beyond this many per model")
     t.add_argument("--member-timeout", type=seconds, default=MEMBER_TIMEOUT, metavar="S",
                    help=f"drop a member not heard from for S seconds (default {MEMBER_TIMEOUT:g})")

@@ -16,7 +16,7 @@ from ..storage import catalog, hfcache
 from ..storage.modelcache import ModelCache
 from ..storage.store import blob_backing, SourceStore, Store
 from ..swarm.node.node import bind_router, DEFAULT_WINDOW, Node
-from ..swarm.node.uplink import probe_sink
+from ..swarm.node.uplink import probe_port_for, probe_sink
 from ..swarm.tracker.admission import CHILD_TIMEOUT, MAX_PER_HOST, MEMBER_TIMEOUT
 from ..wire import keys
 from ..wire.context import node_context
@@ -36,7 +36,7 @@ class Seeder:
                  advertise: str | None = None, window: int = DEFAULT_WINDOW, key: keys.FleetKey | None = None,
                  max_peers: int = 10_000, manifest: str | None = None, exclude=(),
                  s3_concurrency: int = 16, s3_range_size: int = 8 << 20, cache: ModelCache | None = None,
-                 probe_port: int = 0, member_timeout: float = MEMBER_TIMEOUT, child_timeout: float = CHILD_TIMEOUT,
+                 probe_port: int | None = None, member_timeout: float = MEMBER_TIMEOUT, child_timeout: float = CHILD_TIMEOUT,
                  max_per_host: int = MAX_PER_HOST, tracker: str | None = None, io_threads: int | None = None):
         from ..sources.chunker import build  # the seeder's parts: a join never imports them (start-up is on the clock)
         from ..swarm.tracker.topology import make as make_topology
@@ -111,7 +111,7 @@ class Seeder:
         self.io_at_serve = sending_read_bytes() if self.s3 is None else None
         self.node.start()
 
-    def _listen(self, host: str, port: int, probe_port: int, key, io_threads: int | None = None):
+    def _listen(self, host: str, port: int, probe_port: int | None, key, io_threads: int | None = None):
         """The ROUTER peers and members reach (``self.port``) and the probe sink (``self.probe_sink``);
         P2PError, with nothing left open, where either cannot listen.  ``io_threads``: libzmq's
         (``wire.context.default_io_threads()`` by default)."""
@@ -120,7 +120,7 @@ class Seeder:
         router = None
         try:
             router, self.port = bind_router(self.ctx, host, port, key)
-            self.probe_sink = probe_sink(host, probe_port)
+            self.probe_sink = probe_sink(host, probe_port_for(port, probe_port))
             return router
         except (zmq.ZMQError, P2PError) as e:
             router is not None and router.close(0)

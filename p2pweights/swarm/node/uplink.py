@@ -205,6 +205,17 @@ class ProbeSink:
         sock.close()
 
 
+PROBE_PORT_OFFSET = 2  # the probe sink beside the tracker's port: 7422 for 7420 (7421 is the fleet's peers')
+
+
+def probe_port_for(port: int, probe_port: int | None) -> int:
+    """The probe sink's port: ``probe_port`` where given (0: any free one), else the tracker's ``port`` +
+    PROBE_PORT_OFFSET, fixed for a firewall; any free one where the tracker itself took any (``port`` 0)."""
+    if probe_port is not None:
+        return probe_port
+    return port + PROBE_PORT_OFFSET if port and port + PROBE_PORT_OFFSET <= 65535 else 0
+
+
 def probe_sink(host: str, port: int) -> ProbeSink | None:
     """The seeder's (or a standalone tracker's) ``ProbeSink`` on host:port; with port 0 any free one, or None
     where none can listen (joiners then go unprobed, and the rate reviews find slow hosts)."""
