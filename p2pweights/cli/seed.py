@@ -129,7 +129,6 @@ def cmd_pack(args) -> int:
 
 def cmd_manifest(args) -> int:
     from ..sources.chunker import build
-
     from ..sources.remote import checkpoint, is_remote
 
     if is_remote(args.path):
