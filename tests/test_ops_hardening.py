@@ -50,8 +50,9 @@ def read_all(s: socket.socket) -> bytes:
     return out
 
 
-def get(port: int, path: str = "/healthz", host: str = "127.0.0.1") -> tuple[int, bytes]:
-    c = http.client.HTTPConnection(host, port, timeout=SAFETY)
+def get(port: int, path: str = "/healthz", host: str = "127.0.0.1", source: str | None = None) -> tuple[int, bytes]:
+    """A GET by a real HTTP client (from the loopback address ``source`` if given)."""
+    c = http.client.HTTPConnection(host, port, timeout=SAFETY, source_address=(source, 0) if source else None)
     try:
         c.request("GET", path)
         r = c.getresponse()
@@ -95,17 +96,6 @@ def test_connection_limit_caps_and_expires():
     assert limit.admit("c", 16.0) and limit.expired(16.0) == ["b"]
 
 
-def get_from(port: int, path: str, source: str) -> tuple[int, bytes]:
-    """A GET from ``source`` (a loopback address) by a real HTTP client."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=SAFETY, source_address=(source, 0))
-    try:
-        c.request("GET", path)
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
-
-
 @pytest.mark.timeout(120)
 def test_probes_are_answered_while_strangers_hold_every_slot(servers, sockets):
     """Half-sent requests from six addresses hold every slot and fill the probe lane, and more keep coming:
@@ -115,14 +105,14 @@ def test_probes_are_answered_while_strangers_hold_every_slot(servers, sockets):
     for i in range(120):  # 32 slots (8 an address), 64 in the probe lane, 24 displaced
         sockets(ops.port, source=f"127.0.0.{1 + i % 6}").sendall(HALF_SENT)
     for source in ("127.0.0.1", "127.0.0.9"):
-        assert get_from(ops.port, "/healthz", source) == (200, b'{"alive": true}')
-        assert get_from(ops.port, "/readyz", source) == (503, b'{"stage": "connecting", "pct": 0.0}')
-        assert get_from(ops.port, "/metrics", source) == (503, b"too many connections\n")
+        assert get(ops.port, "/healthz", source=source) == (200, b'{"alive": true}')
+        assert get(ops.port, "/readyz", source=source) == (503, b'{"stage": "connecting", "pct": 0.0}')
+        assert get(ops.port, "/metrics", source=source) == (503, b"too many connections\n")
     alive = 0
     for round in range(5):  # strangers opening half-sent requests between the probes: each displaces an older one
         for i in range(70):
             sockets(ops.port, source=f"127.0.0.{10 + i % 4}").sendall(HALF_SENT)
-        alive += get_from(ops.port, "/healthz", "127.0.0.1") == (200, b'{"alive": true}')
+        alive += get(ops.port, "/healthz", source="127.0.0.1") == (200, b'{"alive": true}')
     assert alive == 5
 
 
@@ -172,7 +162,7 @@ def test_a_stranger_reopening_half_sent_requests_never_fails_a_probe(servers):
     ops = servers("127.0.0.1:0")
     stranger = Reopener(ops.port, 120, [f"127.0.0.{k}" for k in range(1, 7)])
     try:
-        answers = [get_from(ops.port, "/healthz", "127.0.0.1") for _ in range(10)]
+        answers = [get(ops.port, "/healthz", source="127.0.0.1") for _ in range(10)]
     finally:
         stranger.close()
     assert answers == [(200, b'{"alive": true}')] * 10
@@ -185,10 +175,10 @@ def test_one_address_holds_at_most_its_share_of_the_slots(servers, sockets):
     held = [sockets(ops.port, source="127.0.0.2") for _ in range(8)]
     for s in held:
         s.sendall(HALF_SENT)
-    assert get_from(ops.port, "/metrics", "127.0.0.2") == (503, b"too many connections\n")
-    status, body = get_from(ops.port, "/metrics", "127.0.0.3")
+    assert get(ops.port, "/metrics", source="127.0.0.2") == (503, b"too many connections\n")
+    status, body = get(ops.port, "/metrics", source="127.0.0.3")
     assert status == 200 and b"p2pw_build_info" in body
-    assert get_from(ops.port, "/healthz", "127.0.0.2") == (200, b'{"alive": true}')
+    assert get(ops.port, "/healthz", source="127.0.0.2") == (200, b'{"alive": true}')
 
 
 def test_connection_limit_caps_each_address():

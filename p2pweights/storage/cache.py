@@ -50,7 +50,7 @@ import time
 from ..errors import UserError
 from ..sources.manifest import chunk_hasher
 from ..sources.validate import STATE_DIR  # what p2pw keeps about a copy; a seeder never serves it
-from .paths import PathError, StateDir, inside, read_state
+from .paths import PathError, StateDir, inside, read_state, write_text
 from .readback import DIRECT_ALIGN, ChunkReads
 from .store import FileMap, check_space
 
@@ -86,12 +86,7 @@ def write_text_atomically(path: str, text: str, durable: bool = False) -> None:
     d, base = os.path.split(os.path.abspath(path))
     fd, tmp = _create_unique(d, f".{base}.", ".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        write_text(fd, text, durable)
         os.replace(tmp, path)
     except BaseException:
         try:

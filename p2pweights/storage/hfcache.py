@@ -196,12 +196,17 @@ def place_blob(root: str, store: str, etag: str, known: str | None = None) -> st
             return f"blobs/{name}"
     except OSError:
         pass
-    tmp = blob + ".p2pw-tmp"
+    _replace(blob, lambda tmp: os.link(store, tmp))
+    return f"blobs/{name}"
+
+
+def _replace(path: str, make) -> None:
+    """Put what ``make(tmp)`` creates (a hard link, a symlink) at ``path`` by rename from a name beside it."""
+    tmp = path + ".p2pw-tmp"
     if os.path.lexists(tmp):
         os.remove(tmp)
-    os.link(store, tmp)
-    os.replace(tmp, blob)
-    return f"blobs/{name}"
+    make(tmp)
+    os.replace(tmp, path)
 
 
 def asked_revision(url: str | None, repo: str) -> str | None:
@@ -263,11 +268,7 @@ def publish(manifest, root: str, asked: str | None = None) -> str:
         target = os.path.relpath(inside(root, blob), os.path.dirname(link))
         if now == target:
             continue
-        tmp = link + ".p2pw-tmp"
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        os.symlink(target, tmp)
-        os.replace(tmp, link)
+        _replace(link, lambda tmp: os.symlink(target, tmp))
     ref = ref_to_write(manifest.origin, asked, _read_ref(root, manifest.origin.get("revision")))
     if ref:
         path = inside(root, f"refs/{ref}")

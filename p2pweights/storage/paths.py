@@ -31,6 +31,17 @@ def inside(root: str, relative: str) -> str:
     return path
 
 
+def write_text(fd: int, text: str, durable: bool = False) -> None:
+    """Write ``text`` to the new file open at ``fd`` (fsynced when ``durable``), mode 0644, and close it: the
+    one way an atomic write (a temporary name, then a rename) fills its file."""
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+        os.fchmod(f.fileno(), 0o644)
+
+
 class StateDir:
     """A copy's ``.p2pw`` folder, opened relative to an fd of its resolved root without following a link
     (``O_NOFOLLOW | O_DIRECTORY``), as is every file in it: a planted symlink (the folder, or a file in it)
@@ -92,12 +103,7 @@ class StateDir:
         else:
             raise FileExistsError(f"no unused temporary name in {self.path}")
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                if durable:
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.fchmod(f.fileno(), 0o644)
+            write_text(fd, text, durable)
             os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except BaseException:
             self.remove(tmp)
